@@ -1,0 +1,1 @@
+"""Clover: block-diffusion language models."""

@@ -1,0 +1,197 @@
+"""Gated DeltaNet kernels in plain PyTorch, each fast path beside its slow reference.
+
+Dimension letters: N batch (or blocks), T length, C chunk / block size, H value heads, K key dim,
+V value dim, W conv kernel width, Q conv channels (q|k|v).
+
+Causal (spec section 2), per value head, with q and k unit-normalised and q scaled by 1/sqrt(K):
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,    o_t = S_t^T q_t
+Preview (spec section 3, our design): a softmax over the block's keys plus one history slot whose
+value is the clean state's readout S^T q_hat and whose logit is history_bias + log(n).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim (the convention of fla and transformers)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+# -- delta rule ------------------------------------------------------------------------------------
+
+
+def delta_rule_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: one step at a time. q, k [N,T,H,K]; v [N,T,H,V]; g, beta [N,T,H]; state [N,H,K,V].
+
+    Returns (o [N,T,H,V], final state [N,H,K,V]), both fp32.
+    """
+    n, t_len, h, dk = k.shape
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    s = torch.zeros(n, h, dk, v.shape[-1], device=v.device) if state is None else state.float()
+    outs = []
+    for t in range(t_len):
+        s = s * g[:, t].exp()[..., None, None]                                     # [N,H,K,V]
+        pred = torch.einsum("nhkv,nhk->nhv", s, k[:, t])                           # [N,H,V]
+        s = s + torch.einsum("nhk,nhv->nhkv", k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
+        outs.append(torch.einsum("nhkv,nhk->nhv", s, q[:, t]))
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape, dtype=torch.float32)
+    return o, s
+
+
+def delta_rule_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None = None, chunk_size: int = 32, return_chunk_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Chunked delta rule (WY form): intra-chunk work in parallel, a scan over chunks only.
+
+    Same inputs and outputs as `delta_rule_recurrent`, plus, when asked, the state before every
+    chunk: chunk_states [N,H,nC,K,V] (chunk_states[:, :, 0] is the initial state).
+
+    Within a chunk starting from state S0, with cumulative log decay G_t = g_1 + ... + g_t, the
+    written rows w_s solve (I + A) W = beta * (V - exp(G) K S0), A_sr = beta_s exp(G_s - G_r) k_s.k_r
+    for r < s; then o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t.k_s) w_s and
+    S_end = exp(G_C) S0 + sum_s exp(G_C - G_s) k_s w_s^T.
+    """
+    n, t_len, h, dk = k.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    pad = (-t_len) % c
+    # [N,H,T,*] in fp32; padded steps have g = 0 and beta = 0, so they leave the state unchanged.
+    q, k, v = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.float().transpose(1, 2), (0, pad)) for x in (g, beta))
+    n_chunks = (t_len + pad) // c
+    q, k, v = (x.reshape(n, h, n_chunks, c, -1) for x in (q, k, v))             # [N,H,nC,C,*]
+    g, beta = (x.reshape(n, h, n_chunks, c) for x in (g, beta))                 # [N,H,nC,C]
+
+    cum = g.cumsum(-1)                                                          # G_t [N,H,nC,C]
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    # exp(G_t - G_s) for s <= t, zero above the diagonal (masked before exp: no overflow).
+    decay_ts = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    kk = k @ k.transpose(-1, -2)                                                # [N,H,nC,C,C]
+    a_mat = (beta[..., None] * kk * decay_ts).tril(-1)
+    system = a_mat + torch.eye(c, device=q.device)
+    rhs = torch.cat([beta[..., None] * v, (beta * cum.exp())[..., None] * k], dim=-1)
+    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    w_v, w_k = sol[..., :dv], sol[..., dv:]                                    # W = w_v - w_k @ S0
+    attn = (q @ k.transpose(-1, -2)) * decay_ts                                 # [N,H,nC,C,C]
+    q_decayed = q * cum.exp()[..., None]                                        # exp(G_t) q_t
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]                       # exp(G_C - G_s) k_s
+    chunk_decay = cum[..., -1].exp()[..., None, None]                           # [N,H,nC,1,1]
+
+    s = torch.zeros(n, h, dk, dv, device=q.device) if state is None else state.float()
+    outs, states = [], []
+    for i in range(n_chunks):
+        states.append(s)
+        w = w_v[:, :, i] - w_k[:, :, i] @ s                                     # [N,H,C,V]
+        outs.append(q_decayed[:, :, i] @ s + attn[:, :, i] @ w)
+        s = chunk_decay[:, :, i] * s + k_to_end[:, :, i].transpose(-1, -2) @ w
+    o = torch.stack(outs, dim=2).reshape(n, h, -1, dv)[:, :, :t_len].transpose(1, 2)
+    chunk_states = torch.stack(states, dim=2) if return_chunk_states else None
+    return o, s, chunk_states
+
+
+# -- short convolutions ----------------------------------------------------------------------------
+
+
+def valid_mask(lengths: torch.Tensor, t_len: int) -> torch.Tensor:
+    """[N,T] bool: position t < lengths[n]."""
+    return torch.arange(t_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def causal_conv(u: torch.Tensor, ring: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv over [ring; u] (pre-activation). u [N,T,Q]; ring [N,W-1,Q]; weight [Q,W].
+
+    out_t = sum_j weight[:, j] * x_{t-(W-1)+j}: weight[:, W-1] multiplies the current row.
+    """
+    x = torch.cat([ring.to(u.dtype), u], dim=1).transpose(1, 2)                # [N,Q,W-1+T]
+    return F.conv1d(x, weight.unsqueeze(1), groups=weight.shape[0]).transpose(1, 2)
+
+
+def right_conv(u: torch.Tensor, lengths: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """Right-context taps: out_t = sum_{d=1..W-1} right[:, d-1] * u_{t+d}, zero at or past lengths.
+
+    u [N,T,Q]; lengths [N]; right [Q,W-1].
+    """
+    u = u * valid_mask(lengths, u.shape[1])[..., None].to(u.dtype)
+    x = F.pad(u.transpose(1, 2), (0, right.shape[1]))                           # [N,Q,T+W-1]
+    kernel = F.pad(right, (1, 0)).unsqueeze(1)                                  # tap 0 (the row itself) is 0
+    return F.conv1d(x, kernel, groups=right.shape[0]).transpose(1, 2)
+
+
+def next_ring(ring: torch.Tensor, u: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The last W-1 rows of [ring; u[:lengths]] per sequence: the conv state after a commit."""
+    width = ring.shape[1]
+    rows = torch.cat([ring.to(u.dtype), u], dim=1)                              # [N,W-1+T,Q]
+    idx = lengths[:, None] + torch.arange(width, device=u.device)[None, :]      # [N,W-1]
+    return rows.gather(1, idx[..., None].expand(-1, -1, rows.shape[-1]))
+
+
+def preview_conv_reference(
+    u: torch.Tensor, ring: torch.Tensor, weight: torch.Tensor, right: torch.Tensor, length: int
+) -> torch.Tensor:
+    """Reference for one block (no batch): u [S,Q], ring [W-1,Q]; loops over positions and taps."""
+    width = weight.shape[1]
+    rows = torch.cat([ring, u], dim=0)
+    out = torch.zeros_like(u)
+    for t in range(u.shape[0]):
+        for j in range(width):
+            out[t] += weight[:, j] * rows[t + j]
+        for d in range(1, width):
+            if t + d < length:
+                out[t] += right[:, d - 1] * u[t + d]
+    return out
+
+
+# -- preview: block softmax with a history slot ----------------------------------------------------
+
+
+def block_preview(
+    q_hat: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+    log_scale: torch.Tensor, history_bias: torch.Tensor, lengths: torch.Tensor,
+) -> torch.Tensor:
+    """One block's GDN preview readout (spec section 3, step 3).
+
+    q_hat, k_hat [N,S,H,K] unit-normalised; v [N,S,H,V]; state [N,H,K,V] fp32; log_scale,
+    history_bias [H]; lengths [N] valid positions. Returns o [N,S,H,V] fp32.
+    """
+    q_hat, k_hat, v = (x.float().transpose(1, 2) for x in (q_hat, k_hat, v))   # [N,H,S,*]
+    n, h, s_len, _ = q_hat.shape
+    logits = (q_hat @ k_hat.transpose(-1, -2)) * log_scale.float().exp()[:, None, None]  # [N,H,S,S]
+    key_valid = valid_mask(lengths, s_len)[:, None, None, :]                   # [N,1,1,S]
+    logits = logits.masked_fill(~key_valid, float("-inf"))
+    hist = history_bias.float()[None, :, None] + torch.log(lengths.clamp(min=1).float())[:, None, None]
+    hist = hist.expand(n, h, s_len).unsqueeze(-1)                               # [N,H,S,1]
+    probs = torch.softmax(torch.cat([hist, logits], dim=-1), dim=-1)           # [N,H,S,1+S]
+    memory = q_hat @ state.float()                                              # m_t = S^T q_hat_t [N,H,S,V]
+    o = probs[..., :1] * memory + probs[..., 1:] @ v
+    return o.transpose(1, 2)
+
+
+def block_preview_reference(
+    q_hat: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+    log_scale: torch.Tensor, history_bias: torch.Tensor, length: int,
+) -> torch.Tensor:
+    """Reference for one block (no batch), written as the spec states it, one (head, query) at a time.
+
+    q_hat, k_hat [S,H,K]; v [S,H,V]; state [H,K,V]. Returns [S,H,V] fp32.
+    """
+    s_len, h, _ = q_hat.shape
+    out = torch.zeros(s_len, h, v.shape[-1])
+    for head in range(h):
+        scale = math.exp(float(log_scale[head]))
+        for t in range(s_len):
+            logits = [float(history_bias[head]) + math.log(length)]
+            logits += [scale * float(q_hat[t, head] @ k_hat[u, head]) for u in range(length)]
+            p = torch.softmax(torch.tensor(logits, dtype=torch.float64), dim=0).float()
+            out[t, head] = p[0] * (state[head].float().T @ q_hat[t, head].float())
+            for u in range(length):
+                out[t, head] += p[1 + u] * v[u, head].float()
+    return out

@@ -1,0 +1,127 @@
+"""Sparse mixture of experts with a shared expert (the Qwen3.5-MoE `mlp`).
+
+Dimension letters: T tokens, D model, E experts, K top-k, I expert width.
+Tensor names match transformers: `gate.weight` [E,D], `experts.gate_up_proj` [E,2I,D],
+`experts.down_proj` [E,D,I], `shared_expert.{gate,up,down}_proj.weight`, `shared_expert_gate.weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def route(router_logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 over all experts, top-k, renormalised. Returns (weights [T,K], experts [T,K])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)                        # [T,E]
+    weights, experts = torch.topk(probs, top_k, dim=-1)                          # [T,K]
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), experts
+
+
+def experts_grouped(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """Batched dispatch: (token, slot) pairs sorted by expert, one matmul per expert that has tokens.
+
+    x [T,D]; gate_up [E,2I,D]; down [E,D,I]; weights, experts [T,K]. Returns [T,D].
+    """
+    top_k = experts.shape[1]
+    flat = experts.reshape(-1)                                                  # [T*K]
+    order = flat.argsort(stable=True)                                           # grouped by expert
+    token = order // top_k                                                      # [T*K]
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    rows = x[token].split(counts)                                               # per expert [n_e,D]
+    outs = []
+    for e, xe in enumerate(rows):
+        if xe.shape[0] == 0:
+            continue
+        gate, up = F.linear(xe, gate_up[e]).chunk(2, dim=-1)                    # [n_e,I] each
+        outs.append(F.linear(F.silu(gate) * up, down[e]))                      # [n_e,D]
+    y = torch.cat(outs) * weights.reshape(-1)[order, None]                      # [T*K,D]
+    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+def experts_reference(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """Reference: loop over experts, each finds its (token, slot) pairs with a boolean mask."""
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        token, slot = torch.where(experts == e)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * weights[token, slot, None]
+        out = out.index_add(0, token, y.to(x.dtype))
+    return out
+
+
+def load_balancing_loss(
+    router_logits: list[torch.Tensor], num_experts: int, top_k: int, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss over all layers: E * sum_e f_e * P_e.
+
+    f_e is the share of (token, slot) assignments routed to expert e, P_e the mean router
+    probability of e; both averaged over the layers' valid tokens (token_mask [T], True = counted).
+    """
+    logits = torch.cat(router_logits, dim=0).float()                            # [L*T,E]
+    mask = None if token_mask is None else token_mask.float().repeat(len(router_logits))
+    probs = torch.softmax(logits, dim=-1)
+    _, chosen = torch.topk(probs, top_k, dim=-1)
+    assigned = F.one_hot(chosen, num_experts).sum(dim=1).float()               # [L*T,E]
+    if mask is None:
+        tokens_per_expert = assigned.mean(0)
+        prob_per_expert = probs.mean(0)
+    else:
+        denom = mask.sum().clamp(min=1)
+        tokens_per_expert = (assigned * mask[:, None]).sum(0) / denom
+        prob_per_expert = (probs * mask[:, None]).sum(0) / denom
+    return num_experts * (tokens_per_expert * prob_per_expert).sum()
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden: int, width: int, num_experts: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, width))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, width: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, width: int, shared_width: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = Router(hidden, num_experts)
+        self.experts = Experts(hidden, width, num_experts)
+        self.shared_expert = SwiGLU(hidden, shared_width)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.use_reference = False  # tests flip this to run the loop reference through the whole model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [...,D] -> (output [...,D], router logits [T,E] over the flattened tokens)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])                                         # [T,D]
+        router_logits = F.linear(flat, self.gate.weight)                        # [T,E]
+        weights, experts = route(router_logits, self.top_k, flat.dtype)
+        dispatch = experts_reference if self.use_reference else experts_grouped
+        routed = dispatch(flat, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).reshape(shape), router_logits
