@@ -105,7 +105,7 @@ class PrefixCache:
             c.reserve(cap)
 
         def cat(xs: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
-            return [None if col[0] is None else torch.cat(col, dim=0) for col in zip(*xs)]
+            return [None if col[0] is None else torch.cat(col, dim=0) for col in zip(*xs, strict=True)]
 
         return PrefixCache(
             torch.cat([c.lengths for c in caches]),

@@ -31,7 +31,14 @@ from torch import nn
 from clover.cache import PrefixCache
 from clover.config import CloverConfig
 from clover.gdn import (
-    block_preview, causal_conv, delta_rule_chunked, delta_rule_recurrent, l2norm, next_ring, right_conv, valid_mask,
+    block_preview,
+    causal_conv,
+    delta_rule_chunked,
+    delta_rule_recurrent,
+    l2norm,
+    next_ring,
+    right_conv,
+    valid_mask,
 )
 from clover.moe import SparseMoE, load_balancing_loss
 

@@ -1,0 +1,114 @@
+"""The `clover` command: one verb per job.
+
+    clover init    DIR --preset debug|tiny|small|clover-35b-a3b   a checkpoint with random weights
+    clover convert SRC DST                                         transformers Qwen3.5-MoE -> Clover
+    clover info    DIR                                             config and parameter counts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+from clover.checkpoint import CheckpointError, convert_transformers_checkpoint, load_checkpoint, save_checkpoint
+from clover.config import PRESETS, CloverConfig, ConfigError
+from clover.model import CloverForCausalLM
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    overrides = json.loads(args.override) if args.override else {}
+    config = CloverConfig.preset(args.preset, **overrides)
+    total, _ = config.num_parameters()
+    if total > 2e9 and not args.force:
+        raise ValueError(f"preset {args.preset!r} has {_human(total)} parameters; pass --force to allocate it")
+    torch.manual_seed(args.seed)
+    model = CloverForCausalLM(config)
+    save_checkpoint(model, args.directory, dtype=args.dtype)
+    print(f"wrote {args.directory}: preset {args.preset}, {_human(total)} parameters, random weights (seed {args.seed})")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    config = convert_transformers_checkpoint(args.source, args.target, dtype=args.dtype, block_size=args.block_size,
+                                             mask_token_id=args.mask_token_id)
+    total, active = config.num_parameters()
+    print(f"converted {args.source} -> {args.target}: {_human(total)} total / {_human(active)} active parameters, "
+          f"block_size {config.block_size}, mask_token_id {config.mask_token_id}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    model = load_checkpoint(args.directory, dtype=None)
+    config = model.config
+    total, active = config.num_parameters()
+    counted = sum(p.numel() for p in model.parameters())
+    info = {
+        "directory": args.directory, "dtype": str(model.dtype).removeprefix("torch."),
+        "parameters_total": counted, "parameters_active_per_token": active,
+        "layers": {t: config.layer_types.count(t) for t in sorted(set(config.layer_types))},
+        "config": config.to_dict(),
+    }
+    if counted != total:
+        info["parameters_from_config"] = total
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clover", description="Clover block-diffusion language models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("init", help="write a checkpoint with random weights from a preset",
+                       description="Write a checkpoint with random weights from a named preset.",
+                       epilog="example: clover init /tmp/debug-model --preset debug")
+    p.add_argument("directory")
+    p.add_argument("--preset", default="debug", choices=sorted(PRESETS))
+    p.add_argument("--override", help='JSON object of config fields to change, e.g. \'{"block_size": 16}\'')
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="allow presets over 2B parameters")
+    p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("convert", help="convert a transformers Qwen3.5-MoE checkpoint into a Clover one",
+                       description="Convert a transformers Qwen3_5MoeForCausalLM (or multimodal Qwen3.5-MoE) "
+                                   "checkpoint directory into a Clover checkpoint. Backbone weights are kept "
+                                   "exactly; the new GDN parameters start at their neutral init.",
+                       epilog="example: clover convert ./qwen3.5-moe-ar ./clover-from-ar --dtype bfloat16")
+    p.add_argument("source")
+    p.add_argument("target")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--block-size", type=int, help="diffusion block size (default 32)")
+    p.add_argument("--mask-token-id", type=int, help="mask token id (default: the last vocabulary row)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("info", help="print a checkpoint's config and parameter counts",
+                       description="Print a checkpoint's config and parameter counts as JSON.",
+                       epilog="example: clover info /tmp/debug-model")
+    p.add_argument("directory")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (CheckpointError, ConfigError, ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
+        print(f"clover {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

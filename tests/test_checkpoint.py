@@ -1,0 +1,231 @@
+"""Config and checkpoint round trips, named errors, atomic writes, conversion from transformers."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import perturbed_model
+from safetensors.torch import load_file, save_file
+
+from clover.checkpoint import (
+    CheckpointError,
+    convert_transformers_checkpoint,
+    load_checkpoint,
+    sanitize_transformers,
+    save_checkpoint,
+)
+from clover.cli import main as cli_main
+from clover.config import CloverConfig, ConfigError
+from clover.testing import assert_close
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids)
+
+
+# -- config ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["debug", "tiny", "small", "clover-35b-a3b"])
+def test_config_round_trips_through_config_json(tmp_path, preset):
+    config = CloverConfig.preset(preset)
+    config.save(tmp_path)
+    assert CloverConfig.load(tmp_path) == config
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "clover_moe"
+
+
+def test_real_shape_preset_counts():
+    config = CloverConfig.preset("clover-35b-a3b")
+    total, active = config.num_parameters()
+    assert 34e9 < total < 36e9 and 3e9 < active < 3.7e9  # "35B total / about 3B active"
+    assert config.layer_types.count("full_attention") == 10
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_attention_heads": 5}, "multiple of num_key_value_heads"),
+    ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
+    ({"num_experts_per_tok": 9}, "cannot exceed num_experts"),
+    ({"layer_types": ["linear_attention"] * 3 + ["sliding_window"]}, "unknown layer type"),
+    ({"layer_types": ["linear_attention"]}, "layer_types has 1 entries"),
+    ({"mask_token_id": 512}, "mask_token_id 512 is outside"),
+    ({"hidden_size": 0}, "hidden_size must be a positive integer"),
+    ({"block_size": -2}, "block_size must be a positive integer"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn'"),
+    ({"head_dim": 6}, "even integer"),
+    ({"eos_token_id": 511}, "must differ from the end-of-sequence"),
+])
+def test_config_rejects_inconsistent_values(change, message):
+    with pytest.raises(ConfigError, match=message):
+        CloverConfig.preset("debug", **change)
+
+
+def test_config_loads_a_transformers_text_and_multimodal_config():
+    transformers = pytest.importorskip("transformers")
+    text = transformers.Qwen3_5MoeTextConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+    )
+    config = CloverConfig.from_dict(text.to_dict())
+    assert config.mask_token_id == 299 and config.layer_types == text.layer_types
+    assert config.rotary_dim == 4 and config.rope_theta == text.rope_parameters["rope_theta"]
+    assert CloverConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": text.to_dict()}) == config
+    with pytest.raises(ConfigError, match="neither Clover"):
+        CloverConfig.from_dict({"model_type": "llama"})
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_single_and_sharded(tmp_path, debug_model):
+    ids = torch.randint(0, 500, (1, 17))
+    expected = _logits(debug_model, ids)
+    save_checkpoint(debug_model, tmp_path / "one")
+    save_checkpoint(debug_model, tmp_path / "many", max_shard_bytes=200_000)
+    assert (tmp_path / "one" / "model.safetensors").is_file()
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    for name in ("one", "many"):
+        loaded = load_checkpoint(tmp_path / name)
+        # same weights; BLAS may pick another summation order for differently aligned buffers (~2e-7)
+        assert_close(_logits(loaded, ids), expected, atol=1e-6, what=name)
+        assert loaded.config == debug_model.config
+    gen = json.loads((tmp_path / "one" / "generation_config.json").read_text())
+    assert gen["algorithm"] == "low_confidence" and gen["block_size"] == debug_model.config.block_size
+
+
+def test_load_with_dtype_choice(tmp_path, debug_model):
+    save_checkpoint(debug_model, tmp_path / "ck", dtype="bfloat16")
+    assert load_file(str(tmp_path / "ck" / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
+    assert load_checkpoint(tmp_path / "ck").dtype == torch.bfloat16
+    model = load_checkpoint(tmp_path / "ck", dtype="float32")
+    assert model.dtype == torch.float32 and all(p.dtype == torch.float32 for p in model.parameters())
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_checkpoint(tmp_path / "ck", dtype="int3")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            load_checkpoint(tmp_path / "ck", device="cuda")
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    model = perturbed_model(CloverConfig.preset("debug", tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    save_checkpoint(model, tmp_path / "tied")
+    assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
+    loaded = load_checkpoint(tmp_path / "tied")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 500, (1, 9))
+    assert_close(_logits(loaded, ids), _logits(model, ids), atol=1e-6, what="tied")
+
+
+def _edit_weights(directory, edit):
+    path = str(directory / "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop("model.layers.1.linear_attn.A_log"), "missing tensors: model.layers.1.linear_attn.A_log"),
+    (lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}), "unexpected tensors: model.layers.0.extra"),
+    (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), r"mis-shaped tensors: model.norm.weight \(checkpoint \(3,\)"),
+])
+def test_mismatched_checkpoint_names_the_tensor(tmp_path, debug_model, edit, message):
+    save_checkpoint(debug_model, tmp_path / "ck")
+    _edit_weights(tmp_path / "ck", edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path / "ck")
+
+
+def test_corrupted_or_incomplete_checkpoint_fails_with_named_error(tmp_path, debug_model):
+    save_checkpoint(debug_model, tmp_path / "ck")
+    weights = tmp_path / "ck" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        load_checkpoint(tmp_path / "ck")
+    weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        load_checkpoint(tmp_path / "ck")
+    save_checkpoint(debug_model, tmp_path / "sh", max_shard_bytes=200_000)
+    shard = sorted((tmp_path / "sh").glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"missing: {shard.name}"):
+        load_checkpoint(tmp_path / "sh")
+    (tmp_path / "ck" / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_checkpoint(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere")
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, debug_model, monkeypatch):
+    save_checkpoint(debug_model, tmp_path / "ck")
+    before = (tmp_path / "ck" / "model.safetensors").read_bytes()
+    import clover.checkpoint as ckpt
+
+    def dying_write(*args, **kwargs):
+        raise KeyboardInterrupt  # the process is killed while writing weights
+
+    monkeypatch.setattr(ckpt, "_write_weights", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(perturbed_model(debug_model.config), tmp_path / "ck")
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no half-written directory left behind
+    load_checkpoint(tmp_path / "ck")
+
+
+# -- conversion --------------------------------------------------------------------------------------
+
+
+def _transformers_checkpoint(tmp_path, config):
+    transformers = pytest.importorskip("transformers")
+    from test_parity import reference_model
+
+    ref = reference_model(config)
+    ref.save_pretrained(tmp_path / "hf")
+    return ref
+
+
+def test_convert_keeps_causal_logits_and_adds_neutral_extras(tmp_path, debug_config):
+    ref = _transformers_checkpoint(tmp_path, debug_config)
+    assert cli_main(["convert", str(tmp_path / "hf"), str(tmp_path / "clover")]) == 0
+    model = load_checkpoint(tmp_path / "clover")
+    ids = torch.randint(0, 500, (2, 21))
+    with torch.no_grad():
+        assert_close(model(ids), ref(ids).logits, atol=1e-4, what="converted logits")
+    gdn = model.model.layers[0].linear_attn
+    assert torch.equal(gdn.conv_right, torch.zeros_like(gdn.conv_right))
+    assert torch.equal(gdn.history_bias, torch.zeros_like(gdn.history_bias))
+    assert_close(gdn.preview_log_scale, torch.full_like(gdn.preview_log_scale, 0.5 * torch.log(torch.tensor(16.0))),
+                 atol=1e-6, what="preview scale init")
+    original = ref.model.embed_tokens.weight
+    assert_close(model.model.embed_tokens.weight[model.config.mask_token_id], original.mean(0), atol=1e-6,
+                 what="mask row = mean embedding")
+    assert torch.equal(model.model.embed_tokens.weight[:-1], original[:-1])
+
+
+def test_sanitize_packs_per_expert_tensors_and_drops_extras():
+    gate, up, down = torch.randn(3, 4), torch.randn(3, 4), torch.randn(4, 3)
+    tensors = {f"model.language_model.layers.0.mlp.experts.{e}.{n}.weight": t * (e + 1)
+               for e in range(2) for n, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))}
+    tensors["mtp.fc.weight"] = torch.zeros(1)
+    tensors["model.visual.patch.weight"] = torch.zeros(1)
+    out = sanitize_transformers(tensors)
+    assert sorted(out) == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(out["model.layers.0.mlp.experts.gate_up_proj"][1], torch.cat([gate, up]) * 2)
+    assert torch.equal(out["model.layers.0.mlp.experts.down_proj"][0], down)
+
+
+def test_cli_errors_are_one_line_and_exit_non_zero(tmp_path, capsys):
+    assert cli_main(["info", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not exist" in err
+    assert cli_main(["init", str(tmp_path / "x"), "--override", '{"num_experts_per_tok": 99}']) == 1
+    assert "cannot exceed num_experts" in capsys.readouterr().err
+    assert cli_main(["convert", str(tmp_path), str(tmp_path / "y")]) == 1
+    assert "no config.json" in capsys.readouterr().err

@@ -1,0 +1,181 @@
+"""The three entry points: incremental causal use, preview, training forward, and their invariants."""
+
+import pytest
+import torch
+from conftest import perturbed_model
+
+from clover.config import CloverConfig
+from clover.testing import assert_close
+
+ATOL = 2e-5  # fp32 through a few layers; observed errors are ~3e-7
+
+
+def test_incremental_causal_equals_one_pass(debug_model):
+    b = debug_model.config.block_size
+    ids = torch.randint(0, 500, (2, 5 * b + 3))
+    with torch.no_grad():
+        full = debug_model(ids)
+        cache = debug_model.new_cache(2)
+        cuts = [0, 3, 4, 2 * b + 1, 3 * b, 4 * b, 5 * b, 5 * b + 3]  # uneven prefill pieces, then block commits
+        pieces = [debug_model.causal(ids[:, a:c], cache) for a, c in zip(cuts, cuts[1:], strict=False)]
+    assert cache.lengths.tolist() == [5 * b + 3] * 2
+    assert_close(torch.cat(pieces, 1), full, atol=ATOL, what="incremental logits")
+
+
+def test_chunked_model_equals_recurrent_reference_model(debug_model):
+    ids = torch.randint(0, 500, (2, 19))
+    with torch.no_grad():
+        fast = debug_model(ids)
+        for layer in debug_model.model.layers:
+            if not layer.is_attention:
+                layer.linear_attn.use_recurrent_reference = True
+            layer.mlp.use_reference = True
+        slow = debug_model(ids)
+    assert_close(fast, slow, atol=ATOL, what="logits")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_noisy_stream_equals_preview_over_causal_prefill(debug_model, seed):
+    """The central invariant (spec section 3) for every block j, random masks, a ragged last block."""
+    gen = torch.Generator().manual_seed(seed)
+    config = debug_model.config
+    b = config.block_size
+    t = 4 * b + 5
+    ids = torch.randint(0, 500, (2, t), generator=gen)
+    ratio = torch.rand(2, 1, generator=gen)
+    noisy = torch.where(torch.rand(2, t, generator=gen) < ratio, config.mask_token_id, ids)
+    with torch.no_grad():
+        out = debug_model.training_forward(ids, noisy)
+        assert_close(out.clean, debug_model(ids), atol=ATOL, what="clean stream vs causal")
+        for j in range(5):
+            cache = debug_model.new_cache(2)
+            if j:
+                debug_model.causal(ids[:, : j * b], cache, logits="none")
+            block = noisy[:, j * b : (j + 1) * b]
+            assert_close(debug_model.preview(block, cache), out.noisy[:, j * b : j * b + block.shape[1]],
+                         atol=ATOL, what=f"block {j}")
+
+
+def test_invariant_holds_with_prefill_in_pieces_and_block_size_32():
+    config = CloverConfig.preset("debug", block_size=32)
+    model = perturbed_model(config)
+    ids = torch.randint(0, 500, (1, 96))
+    noisy = torch.where(torch.rand(1, 96) < 0.6, config.mask_token_id, ids)
+    with torch.no_grad():
+        out = model.training_forward(ids, noisy)
+        cache = model.new_cache(1)
+        model.causal(ids[:, :7], cache, logits="none")
+        model.causal(ids[:, 7:64], cache, logits="none")
+        assert_close(model.preview(noisy[:, 64:], cache), out.noisy[:, 64:], atol=ATOL, what="block 2")
+
+
+def test_preview_leaves_the_cache_untouched(debug_model):
+    cache = debug_model.new_cache(2)
+    ids = torch.randint(0, 500, (2, 11))
+    with torch.no_grad():
+        debug_model.causal(ids, cache, logits="none")
+        before = [None if x is None else x.clone() for xs in (cache.keys, cache.values, cache.states, cache.rings)
+                  for x in xs]
+        lengths = cache.lengths.clone()
+        debug_model.preview(torch.full((2, 8), debug_model.config.mask_token_id), cache)
+    after = [x for xs in (cache.keys, cache.values, cache.states, cache.rings) for x in xs]
+    assert torch.equal(cache.lengths, lengths)
+    for x, y in zip(before, after, strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_new_parameters_at_neutral_init_do_not_touch_causal_mode(debug_config):
+    model = perturbed_model(debug_config)
+    ids = torch.randint(0, 500, (1, 20))
+    with torch.no_grad():
+        before = model(ids)
+        for layer in model.model.layers:
+            if not layer.is_attention:
+                layer.linear_attn.conv_right.normal_()
+                layer.linear_attn.history_bias.normal_()
+        assert torch.equal(model(ids), before)
+
+
+def test_batch_of_different_lengths_equals_each_alone(debug_model):
+    lengths = [13, 5, 9]
+    seqs = [torch.randint(0, 500, (n,)) for n in lengths]
+    batch = torch.zeros(3, 13, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        batch[i, : len(s)] = s
+    with torch.no_grad():
+        cache = debug_model.new_cache(3)
+        logits = debug_model.causal(batch, cache, lengths=torch.tensor(lengths))
+        last = debug_model.causal(batch, debug_model.new_cache(3), lengths=torch.tensor(lengths), logits="last")
+        block = torch.randint(0, 500, (3, 8))
+        prev = debug_model.preview(block, cache, lengths=torch.tensor([8, 8, 3]))
+        noisy = torch.where(torch.rand(3, 13) < 0.5, debug_model.config.mask_token_id, batch)
+        train = debug_model.training_forward(batch, noisy, lengths=torch.tensor(lengths))
+        for i, s in enumerate(seqs):
+            n = len(s)
+            alone_cache = debug_model.new_cache(1)
+            alone = debug_model.causal(s[None], alone_cache)
+            assert_close(logits[i, :n], alone[0], atol=ATOL, what=f"causal {i}")
+            assert_close(last[i], alone[0, -1], atol=ATOL, what=f"last logits {i}")
+            m = 3 if i == 2 else 8
+            alone_prev = debug_model.preview(block[i : i + 1, :m], alone_cache)
+            assert_close(prev[i, :m], alone_prev[0], atol=ATOL, what=f"preview {i}")
+            alone_train = debug_model.training_forward(s[None], noisy[i : i + 1, :n])
+            assert_close(train.noisy[i, :n], alone_train.noisy[0], atol=ATOL, what=f"noisy stream {i}")
+            assert_close(train.clean[i, :n], alone_train.clean[0], atol=ATOL, what=f"clean stream {i}")
+
+
+def test_cache_select_and_concat_keep_each_sequence(debug_model):
+    ids = torch.randint(0, 500, (3, 10))
+    with torch.no_grad():
+        cache = debug_model.new_cache(3)
+        debug_model.causal(ids, cache, lengths=torch.tensor([10, 4, 7]), logits="none")
+        one = debug_model.new_cache(1)
+        debug_model.causal(ids[1:2, :4], one, logits="none")
+        merged = type(cache).concat([cache.select([2, 0]), one])
+        block = torch.randint(0, 500, (3, 8))
+        got = debug_model.preview(block, merged)
+        assert_close(got[2], debug_model.preview(block[2:], one)[0], atol=ATOL, what="joined sequence")
+        assert_close(got[0], debug_model.preview(block[:1], cache.select([2]))[0], atol=ATOL, what="kept sequence")
+
+
+def test_training_forward_gradients_reach_every_parameter(debug_model):
+    ids = torch.randint(0, 500, (2, 20))
+    noisy = torch.where(torch.rand(2, 20) < 0.5, debug_model.config.mask_token_id, ids)
+    out = debug_model.train().training_forward(ids, noisy)
+    (out.clean.square().mean() + out.noisy.square().mean() + out.aux_loss).backward()
+    dead = [n for n, p in debug_model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert dead == []
+
+
+def test_bad_input_gets_clear_errors(debug_model):
+    cache = debug_model.new_cache(1)
+    with pytest.raises(TypeError, match="int64 or int32"):
+        debug_model.causal(torch.zeros(1, 4), cache)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        debug_model.causal(torch.tensor([[1, 2, 512]]), cache)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        debug_model.preview(torch.tensor([[-1, 2]]), cache)
+    with pytest.raises(ValueError, match="context limit of 1024"):
+        debug_model.causal(torch.zeros(1, 1025, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="cache holds 1 sequences"):
+        debug_model.preview(torch.zeros(2, 4, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="lengths must be"):
+        debug_model.causal(torch.zeros(1, 4, dtype=torch.long), cache, lengths=torch.tensor([5]))
+    with pytest.raises(ValueError, match="shape"):
+        debug_model.causal(torch.zeros(4, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="shapes differ"):
+        debug_model.training_forward(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long))
+    assert cache.lengths.tolist() == [0]  # nothing was written by the rejected calls
+
+
+def test_bfloat16_model_runs_and_stays_close_to_fp32(debug_model):
+    ids = torch.randint(0, 500, (1, 24))
+    with torch.no_grad():
+        ref = debug_model(ids)
+        half = debug_model.to(torch.bfloat16)
+        cache = half.new_cache(1)
+        got = half.causal(ids, cache)
+        assert cache.states[0].dtype == torch.float32  # GDN state stays fp32
+        assert got.dtype == torch.bfloat16
+    # bf16 has 8 mantissa bits; logits here are O(1)
+    assert_close(got.float(), ref, atol=0.15, what="bf16 vs fp32 logits")
