@@ -110,9 +110,10 @@ def causal_conv(u: torch.Tensor, ring: torch.Tensor, weight: torch.Tensor) -> to
     """Depthwise causal conv over [ring; u] (pre-activation). u [N,T,Q]; ring [N,W-1,Q]; weight [Q,W].
 
     out_t = sum_j weight[:, j] * x_{t-(W-1)+j}: weight[:, W-1] multiplies the current row.
+    Written as windows times taps: for W = 4 this beats F.conv1d on CPU at every length.
     """
-    x = torch.cat([ring.to(u.dtype), u], dim=1).transpose(1, 2)                # [N,Q,W-1+T]
-    return F.conv1d(x, weight.unsqueeze(1), groups=weight.shape[0]).transpose(1, 2)
+    x = torch.cat([ring.to(u.dtype), u], dim=1)                                 # [N,W-1+T,Q]
+    return (x.unfold(1, weight.shape[1], 1) * weight).sum(-1)                   # [N,T,Q,W] -> [N,T,Q]
 
 
 def right_conv(u: torch.Tensor, lengths: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -121,9 +122,8 @@ def right_conv(u: torch.Tensor, lengths: torch.Tensor, right: torch.Tensor) -> t
     u [N,T,Q]; lengths [N]; right [Q,W-1].
     """
     u = u * valid_mask(lengths, u.shape[1])[..., None].to(u.dtype)
-    x = F.pad(u.transpose(1, 2), (0, right.shape[1]))                           # [N,Q,T+W-1]
-    kernel = F.pad(right, (1, 0)).unsqueeze(1)                                  # tap 0 (the row itself) is 0
-    return F.conv1d(x, kernel, groups=right.shape[0]).transpose(1, 2)
+    x = F.pad(u[:, 1:], (0, 0, 0, right.shape[1]))                            # rows t+1 .. [N,T-1+W-1,Q]
+    return (x.unfold(1, right.shape[1], 1)[:, : u.shape[1]] * right).sum(-1)   # [N,T,Q]
 
 
 def next_ring(ring: torch.Tensor, u: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -185,7 +185,7 @@ class GatedDeltaNet(nn.Module):
         live = valid_mask(lengths, x.shape[1])[..., None].float()               # [N,T,1]
         beta = torch.sigmoid(self.in_proj_b(x).float()) * live
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float()) * live
-        if self.use_recurrent_reference:
+        if self.use_recurrent_reference or x.shape[1] == 1:  # one step: the recurrence is the cheapest form
             o, new_state = delta_rule_recurrent(q, k, v, g, beta, state)
             chunk_states = None
         else:

@@ -10,7 +10,6 @@ from safetensors.torch import load_file, save_file
 
 from clover.checkpoint import (
     CheckpointError,
-    convert_transformers_checkpoint,
     load_checkpoint,
     sanitize_transformers,
     save_checkpoint,
@@ -183,7 +182,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, debug_model, m
 
 
 def _transformers_checkpoint(tmp_path, config):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from test_parity import reference_model
 
     ref = reference_model(config)

@@ -1,0 +1,39 @@
+# The two quick-start commands are `make demo` and `make test`; both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO_MODEL := runs/demo-tiny-random
+
+.PHONY: setup demo test test-slow lint bench clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned to the CPU build that lies on this machine's disk; the package itself accepts torch>=2.6.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+# Until the shipped model exists, the demo builds a `tiny` model with random weights and checks
+# every forward mode and invariant on it.
+demo: setup
+	$(BIN)/clover init $(DEMO_MODEL) --preset tiny
+	$(BIN)/clover check $(DEMO_MODEL)
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python benchmarks/forward.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,146 @@
+"""Forward-pass timings of Clover's three inference passes against transformers on identical weights.
+
+For each preset: causal prefill (per token), preview of one block over the prefilled cache, commit
+of one block (causal, extends the cache) and one autoregressive step (1 token, extends the cache).
+transformers' Qwen3_5MoeForCausalLM runs prefill, commit (a block with past_key_values) and the AR
+step on the same weights; it has no preview mode. Medians over repeats, same process and threads.
+Prints its conditions, a table, and one JSON line last.
+
+    python benchmarks/forward.py [--presets tiny,small] [--prompt 512] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from clover.config import CloverConfig
+from clover.model import CloverForCausalLM
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _transformers_model(model: CloverForCausalLM):
+    try:
+        import transformers
+    except ImportError:
+        return None
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "block_size", "mask_token_id")}
+    ref = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**fields)).eval()
+    ref.load_state_dict(model.state_dict(), strict=False)
+    return ref
+
+
+@torch.inference_mode()
+def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int) -> dict:
+    config = CloverConfig.preset(preset)
+    torch.manual_seed(0)
+    model = CloverForCausalLM(config).eval()
+    b = config.block_size
+    ids = torch.randint(0, config.vocab_size - 2, (1, prompt_len + blocks * b + 1))
+    prompt, mask_block = ids[:, :prompt_len], torch.full((1, b), config.mask_token_id)
+
+    # warm-up, then medians
+    model.causal(prompt, model.new_cache(1), logits="last")
+    prefill = _median_time(lambda: model.causal(prompt, model.new_cache(1), logits="last"), repeats)
+    cache = model.new_cache(1)
+    model.causal(prompt, cache, logits="none")
+    preview = _median_time(lambda: model.preview(mask_block, cache), repeats * blocks)
+
+    def commits() -> list[float]:
+        c = copy.deepcopy(cache)
+        out = []
+        for j in range(blocks):
+            t0 = time.perf_counter()
+            model.causal(ids[:, prompt_len + j * b: prompt_len + (j + 1) * b], c, logits="none")
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def ar_steps() -> list[float]:
+        c = copy.deepcopy(cache)
+        out = []
+        for j in range(b):
+            t0 = time.perf_counter()
+            model.causal(ids[:, prompt_len + j: prompt_len + j + 1], c, logits="last")
+            out.append(time.perf_counter() - t0)
+        return out
+
+    commit = statistics.median(t for _ in range(repeats) for t in commits())
+    ar_step = statistics.median(t for _ in range(repeats) for t in ar_steps())
+    result = {"preset": preset, "parameters_total": config.num_parameters()[0],
+              "clover_prefill_ms_per_token": 1e3 * prefill / prompt_len, "clover_preview_ms": 1e3 * preview,
+              "clover_commit_ms": 1e3 * commit, "clover_ar_step_ms": 1e3 * ar_step}
+
+    ref = _transformers_model(model)
+    if ref is not None:
+        ref(prompt, logits_to_keep=1)
+        ref_prefill = _median_time(lambda: ref(prompt, use_cache=True, logits_to_keep=1), repeats)
+        past = ref(prompt, use_cache=True, logits_to_keep=1).past_key_values
+
+        def ref_run(step: int, count: int) -> list[float]:
+            p = copy.deepcopy(past)
+            out = []
+            for j in range(count):
+                chunk = ids[:, prompt_len + j * step: prompt_len + (j + 1) * step]
+                t0 = time.perf_counter()
+                p = ref(chunk, past_key_values=p, use_cache=True, logits_to_keep=1).past_key_values
+                out.append(time.perf_counter() - t0)
+            return out
+
+        ref_commit = statistics.median(t for _ in range(repeats) for t in ref_run(b, blocks))
+        ref_ar = statistics.median(t for _ in range(repeats) for t in ref_run(1, b))
+        result.update({
+            "transformers_prefill_ms_per_token": 1e3 * ref_prefill / prompt_len,
+            "transformers_commit_ms": 1e3 * ref_commit, "transformers_ar_step_ms": 1e3 * ref_ar,
+            "speedup_prefill": ref_prefill / prefill, "speedup_commit": ref_commit / commit,
+            "speedup_ar_step": ref_ar / ar_step,
+        })
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="tiny,small")
+    parser.add_argument("--prompt", type=int, default=512, help="prefill length in tokens")
+    parser.add_argument("--blocks", type=int, default=4, help="block commits timed per repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    conditions = {
+        "date": datetime.date.today().isoformat(), "machine": platform.machine(), "processor": platform.processor(),
+        "torch": torch.__version__, "transformers": tf_version, "threads": torch.get_num_threads(),
+        "device": "cpu", "dtype": "float32", "batch": 1, "prompt_tokens": args.prompt, "repeats": args.repeats,
+    }
+    print("conditions:", json.dumps(conditions))
+    results = [bench_preset(p, args.prompt, args.blocks, args.repeats) for p in args.presets.split(",")]
+    for r in results:
+        print(f"\n{r['preset']} ({r['parameters_total'] / 1e6:.1f}M parameters)")
+        for key in ("prefill_ms_per_token", "preview_ms", "commit_ms", "ar_step_ms"):
+            ours, theirs = r.get(f"clover_{key}"), r.get(f"transformers_{key}")
+            line = f"  {key:22s} clover {ours:9.3f}"
+            if theirs is not None:
+                line += f"   transformers {theirs:9.3f}   speedup {theirs / ours:5.2f}x"
+            print(line)
+    print(json.dumps({"benchmark": "forward", "conditions": conditions, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
