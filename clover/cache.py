@@ -79,14 +79,56 @@ class PrefixCache:
                     grown[:, :, : t.shape[2]] = t
                     store[i] = grown
 
-    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor) -> None:
-        """Append k, v [N,G,T,D] at each sequence's current length; rows t >= new_lengths[n] are dropped."""
+    def _rows(self, rows: torch.Tensor | None) -> torch.Tensor | slice:
+        return slice(None) if rows is None else rows
+
+    def past(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Committed lengths [n] of `rows` (all rows when None)."""
+        return self.lengths[self._rows(rows)]
+
+    def kv(self, layer: int, rows: torch.Tensor | None, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first p positions of K and V [n,G,p,D] of `rows`."""
+        r = self._rows(rows)
+        return self.keys[layer][r, :, :p], self.values[layer][r, :, :p]
+
+    def gdn(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GDN state [n,H,K,V] and conv ring [n,W-1,Q] of `rows`."""
+        r = self._rows(rows)
+        return self.states[layer][r], self.rings[layer][r]
+
+    def set_gdn(self, layer: int, rows: torch.Tensor | None, state: torch.Tensor, ring: torch.Tensor) -> None:
+        if rows is None:
+            self.states[layer], self.rings[layer] = state, ring.to(self.rings[layer].dtype)
+        else:
+            self.states[layer][rows] = state
+            self.rings[layer][rows] = ring.to(self.rings[layer].dtype)
+
+    def write_kv(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> None:
+        """Append k, v [n,G,T,D] at each row's current length; steps t >= new_lengths are dropped."""
         t_len = k.shape[2]
-        valid = torch.arange(t_len, device=k.device)[None, :] < new_lengths[:, None]     # [N,T]
+        valid = torch.arange(t_len, device=k.device)[None, :] < new_lengths[:, None]     # [n,T]
         seq, step = valid.nonzero(as_tuple=True)
-        pos = self.lengths[seq] + step
-        self.keys[layer][seq, :, pos] = k[seq, :, step].to(self.keys[layer].dtype)
-        self.values[layer][seq, :, pos] = v[seq, :, step].to(self.values[layer].dtype)
+        row = seq if rows is None else rows[seq]
+        pos = self.lengths[row] + step
+        self.keys[layer][row, :, pos] = k[seq, :, step].to(self.keys[layer].dtype)
+        self.values[layer][row, :, pos] = v[seq, :, step].to(self.values[layer].dtype)
+
+    def advance(self, rows: torch.Tensor | None, new_lengths: torch.Tensor) -> None:
+        if rows is None:
+            self.lengths = self.lengths + new_lengths
+        else:
+            self.lengths[rows] += new_lengths
+
+    def reset_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Empty the given rows so that new sequences can use them (K/V past the length are never read)."""
+        r = torch.as_tensor(rows, dtype=torch.long, device=self.lengths.device)
+        self.lengths[r] = 0
+        for xs in (self.states, self.rings):
+            for x in xs:
+                if x is not None:
+                    x[r] = 0
 
     def select(self, index: torch.Tensor | list[int]) -> PrefixCache:
         """A cache holding only the sequences at `index` (in that order)."""

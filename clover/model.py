@@ -292,9 +292,18 @@ class CloverForCausalLM(nn.Module):
             )
         return lengths
 
-    def _check_cache(self, cache: PrefixCache, n: int) -> None:
-        if cache.batch_size != n:
-            raise ValueError(f"cache holds {cache.batch_size} sequences but the input has {n} rows")
+    def _cache_rows(self, cache: PrefixCache, n: int, rows: torch.Tensor | list[int] | None) -> torch.Tensor | None:
+        """Check that the n input rows map onto the cache (all of it, or the given cache rows)."""
+        if rows is None:
+            if cache.batch_size != n:
+                raise ValueError(f"cache holds {cache.batch_size} sequences but the input has {n} rows")
+            return None
+        rows = torch.as_tensor(rows, dtype=torch.long, device=cache.lengths.device)
+        if rows.shape != (n,) or int(rows.min()) < 0 or int(rows.max()) >= cache.batch_size:
+            raise ValueError(f"rows must be {n} distinct cache rows in [0, {cache.batch_size}), got {rows.tolist()}")
+        if rows.unique().numel() != n:
+            raise ValueError(f"rows must be distinct, got {rows.tolist()}")
+        return rows
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, mixer: Mixer) -> tuple[torch.Tensor, list]:
         """Embed, run every layer with `mixer` as its token mixer, final norm. Returns (h, router logits)."""
@@ -316,20 +325,23 @@ class CloverForCausalLM(nn.Module):
     # -- causal mode: prefill and commit -------------------------------------------------------------
     def causal(
         self, input_ids: torch.Tensor, cache: PrefixCache | None = None, lengths: torch.Tensor | None = None,
-        logits: str = "all",
+        logits: str = "all", rows: torch.Tensor | list[int] | None = None,
     ) -> torch.Tensor | None:
         """Run input_ids [N,T] causally after the cache (if any) and append them to it.
 
         `logits`: "all" -> [N,T,V]; "last" -> [N,V] at each row's last valid position; "none" -> None
-        (a commit needs no logits).
+        (a commit needs no logits). `rows`: the cache rows the N input rows belong to (default: all,
+        in order), so that a sub-batch runs over a shared cache without copying it.
         """
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
         self._check_ids(input_ids, "input_ids")
         n, t = input_ids.shape
         if cache is not None:
-            self._check_cache(cache, n)
-        past = cache.lengths if cache is not None else torch.zeros(n, dtype=torch.long, device=input_ids.device)
+            rows = self._cache_rows(cache, n, rows)
+            past = cache.past(rows)
+        else:
+            past = torch.zeros(n, dtype=torch.long, device=input_ids.device)
         lengths = self._lengths(input_ids, lengths, past)
         p = int(past.max()) if cache is not None else 0
         if cache is not None:
@@ -342,27 +354,25 @@ class CloverForCausalLM(nn.Module):
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             nonlocal zero_ring
             if layer.is_attention:
-                pk = pv = None
-                if cache is not None and p > 0:
-                    pk, pv = cache.keys[i][:, :, :p], cache.values[i][:, :, :p]
+                pk, pv = cache.kv(i, rows, p) if cache is not None and p > 0 else (None, None)
                 out, k, v = layer.self_attn(x, *rope, mask, pk, pv)
                 if cache is not None:
-                    cache.write_kv(i, k, v, lengths)
+                    cache.write_kv(i, k, v, lengths, rows)
                 return out
             if cache is not None:
-                state, ring = cache.states[i], cache.rings[i]
+                state, ring = cache.gdn(i, rows)
             else:
                 zero_ring = zero_ring if zero_ring is not None else x.new_zeros(n, self.config.linear_conv_kernel_dim - 1,
                                                                              self.config.linear_conv_dim)
                 state, ring = None, zero_ring
             res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size)
             if cache is not None:
-                cache.states[i], cache.rings[i] = res.state, res.ring
+                cache.set_gdn(i, rows, res.state, res.ring)
             return res.out
 
         h, _ = self._run(input_ids, past[:, None] + steps[None, :], mixer)
         if cache is not None:
-            cache.lengths = past + lengths
+            cache.advance(rows, lengths)
         if logits == "none":
             return None
         if logits == "last":
@@ -375,13 +385,15 @@ class CloverForCausalLM(nn.Module):
 
     # -- preview mode: one denoising step over the current block -------------------------------------
     def preview(
-        self, block_ids: torch.Tensor, cache: PrefixCache, lengths: torch.Tensor | None = None
+        self, block_ids: torch.Tensor, cache: PrefixCache, lengths: torch.Tensor | None = None,
+        rows: torch.Tensor | list[int] | None = None,
     ) -> torch.Tensor:
-        """Logits [N,S,V] for a block [N,S] placed right after each cached prefix; the cache is not written."""
+        """Logits [N,S,V] for a block [N,S] placed right after each cached prefix (of the cache `rows`,
+        default all); the cache is not written."""
         self._check_ids(block_ids, "block_ids")
         n, s = block_ids.shape
-        self._check_cache(cache, n)
-        past = cache.lengths
+        rows = self._cache_rows(cache, n, rows)
+        past = cache.past(rows)
         lengths = self._lengths(block_ids, lengths, past)
         p = int(past.max())
         steps = torch.arange(s, device=block_ids.device)
@@ -391,11 +403,9 @@ class CloverForCausalLM(nn.Module):
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             if layer.is_attention:
-                pk = pv = None
-                if p > 0:
-                    pk, pv = cache.keys[i][:, :, :p], cache.values[i][:, :, :p]
+                pk, pv = cache.kv(i, rows, p) if p > 0 else (None, None)
                 return layer.self_attn(x, *rope, mask, pk, pv)[0]
-            return layer.linear_attn.preview(x, cache.states[i], cache.rings[i], lengths)
+            return layer.linear_attn.preview(x, *cache.gdn(i, rows), lengths)
 
         h, _ = self._run(block_ids, past[:, None] + steps[None, :], mixer)
         return self.lm_head(h)

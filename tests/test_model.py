@@ -179,3 +179,27 @@ def test_bfloat16_model_runs_and_stays_close_to_fp32(debug_model):
         assert got.dtype == torch.bfloat16
     # bf16 has 8 mantissa bits; logits here are O(1)
     assert_close(got.float(), ref, atol=0.15, what="bf16 vs fp32 logits")
+
+
+def test_sub_batches_over_a_shared_cache_equal_separate_caches(debug_model):
+    """`rows` lets an engine run a subset of its sequences over one cache; reset rows are reusable."""
+    seqs = [torch.randint(0, 500, (1, n)) for n in (9, 4, 13)]
+    with torch.no_grad():
+        shared = debug_model.new_cache(3)
+        debug_model.causal(torch.cat([seqs[2], torch.zeros(1, 13, dtype=torch.long)]), shared,
+                           lengths=torch.tensor([13, 0]), rows=[2, 0], logits="none")
+        debug_model.causal(seqs[0], shared, rows=[0], logits="none")
+        debug_model.causal(seqs[1], shared, rows=[1], logits="none")
+        block = torch.randint(0, 500, (2, 8))
+        got = debug_model.preview(block, shared, rows=[1, 2])
+        for i, row in enumerate([1, 2]):
+            alone = debug_model.new_cache(1)
+            debug_model.causal(seqs[row], alone, logits="none")
+            assert_close(got[i], debug_model.preview(block[i : i + 1], alone)[0], atol=ATOL, what=f"row {row}")
+        assert shared.lengths.tolist() == [9, 4, 13]
+        shared.reset_rows([1])
+        debug_model.causal(seqs[2], shared, rows=[1], logits="none")
+        assert_close(debug_model.preview(block[:1], shared, rows=[1]), debug_model.preview(block[:1], shared, rows=[2]),
+                     atol=ATOL, what="reused row")
+    with pytest.raises(ValueError, match="distinct"):
+        debug_model.preview(block, shared, rows=[1, 1])
