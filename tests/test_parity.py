@@ -72,3 +72,20 @@ def test_cached_decode_equals_transformers_cached_decode(name):
             out = ref(ids[:, i : i + 1], past_key_values=past, use_cache=True)
             past = out.past_key_values
             assert_close(model.causal(ids[:, i : i + 1], cache), out.logits, atol=1e-4, what=f"step {i}")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_ar_decoding_equals_transformers_generate(name):
+    from clover.engine import Engine
+    from clover.sampling import SamplingParams
+
+    config = CONFIGS[name]
+    ref = reference_model(config)
+    model = clover_from(ref, config)
+    prompts = [torch.randint(0, config.vocab_size - 2, (n,)).tolist() for n in (7, 19)]
+    params = SamplingParams(max_new_tokens=16, algorithm="ar", ignore_eos=True)
+    ours = Engine(model).generate(prompts, params)
+    for prompt, result in zip(prompts, ours, strict=True):
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                           suppress_tokens=[config.mask_token_id], pad_token_id=0)
+        assert result.token_ids == out[0, len(prompt):].tolist()

@@ -1,0 +1,118 @@
+"""Sampling parameters, logit penalties, and picking a token with its confidence.
+
+Dimension letters: M positions being decided, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+ALGORITHMS = ("low_confidence", "ar")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Everything one request may set. Defaults follow spec section 5."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0                      # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    algorithm: str = "low_confidence"
+    block_size: int | None = None       # None: the model's block size
+    threshold: float = 0.95
+    max_accept_per_step: int | None = None  # None: no cap
+    record_steps: bool = False          # keep the step that accepted each token and a per-step trace
+
+    def with_(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first bad field."""
+        def bad(name: str, rule: str) -> None:
+            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "a positive integer")
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= 100:
+            bad("temperature", "between 0 and 100")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "a non-negative integer (0 disables it)")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "between -2 and 2")
+        if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            bad("repetition_penalty", "in (0, 10]")
+        if self.algorithm not in ALGORITHMS:
+            bad("algorithm", f"one of {list(ALGORITHMS)}")
+        if self.block_size is not None and (not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024):
+            bad("block_size", "an integer between 1 and 1024")
+        if not math.isfinite(self.threshold) or not 0 <= self.threshold <= 1:
+            bad("threshold", "between 0 and 1")
+        if self.max_accept_per_step is not None and (
+            not isinstance(self.max_accept_per_step, int) or self.max_accept_per_step < 1
+        ):
+            bad("max_accept_per_step", "a positive integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "a list of non-empty strings")
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"token ids in [0, {vocab_size})")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", "a non-negative integer")
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [M,V] fp32; counts [V] occurrences of each token in the response so far.
+
+    repetition (CTRL / transformers): seen tokens' logits divided by the penalty when positive,
+    multiplied when negative; presence and frequency (OpenAI): minus p * [seen] minus f * count.
+    """
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if params.presence_penalty or params.frequency_penalty:
+        logits = logits - params.presence_penalty * (counts > 0).float() - params.frequency_penalty * counts
+    return logits
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def pick_tokens(
+    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Penalties, then argmax (temperature 0) or a sample. Returns (tokens [M], confidence [M]):
+    the probability of the chosen token under the distribution it was drawn from."""
+    logits = apply_penalties(logits.float(), counts, params)
+    if params.temperature == 0:
+        probs = torch.softmax(logits, dim=-1)
+        conf, tokens = probs.max(dim=-1)
+        return tokens, conf
+    logits = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    tokens = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,65 @@
+"""A scripted stand-in for the model: the engine sees known confidences and we see every call."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from clover.cache import PrefixCache
+from clover.config import CloverConfig
+
+
+class ScriptedModel:
+    """preview logits come from `script(j, position) -> (token, probability)`, where j counts the
+    previews of the current block of that cache row (0 first) and position is absolute; AR logits
+    come from `ar_script(position) -> (token, probability)`. Every call is logged."""
+
+    def __init__(self, script=None, ar_script=None, config: CloverConfig | None = None) -> None:
+        self.config = config or CloverConfig.preset("debug", vocab_size=64, mask_token_id=63, eos_token_id=62)
+        self.script = script or (lambda j, pos: (pos % 50, 0.5))
+        self.ar_script = ar_script or (lambda pos: (pos % 50, 0.5))
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.calls: list[tuple] = []
+        self.previews: dict[int, int] = {}
+
+    def new_cache(self, n: int) -> PrefixCache:
+        return PrefixCache.empty(self.config, n)
+
+    def _logits(self, token: int, prob: float) -> torch.Tensor:
+        v = self.config.vocab_size
+        rest = math.log((1 - prob) / (v - 2)) if prob < 1 else -1e9
+        out = torch.full((v,), rest)
+        out[token] = math.log(prob)
+        out[self.config.mask_token_id] = float("-inf")
+        return out
+
+    def causal(self, ids, cache, lengths, logits="all", rows=None):
+        rows = rows.tolist()
+        self.calls.append(("causal", [ids[i, : int(n)].tolist() for i, n in enumerate(lengths)], rows))
+        starts = cache.lengths[rows].tolist()
+        cache.lengths[rows] += lengths
+        for r in rows:
+            self.previews[r] = 0
+        if logits == "none":
+            return None
+        return torch.stack([self._logits(*self.ar_script(s + int(n))) for s, n in zip(starts, lengths, strict=True)])
+
+    def preview(self, block, cache, lengths, rows=None):
+        rows = rows.tolist()
+        self.calls.append(("preview", [block[i, : int(n)].tolist() for i, n in enumerate(lengths)], rows))
+        out = torch.zeros(block.shape[0], block.shape[1], self.config.vocab_size)
+        for i, r in enumerate(rows):
+            j = self.previews.get(r, 0)
+            self.previews[r] = j + 1
+            start = int(cache.lengths[r])
+            for t in range(block.shape[1]):
+                out[i, t] = self._logits(*self.script(j, start + t))
+        return out
+
+
+class CharTokenizer:
+    """ids 0..25 are the letters a..z, 26 is a space; everything else decodes to '#'."""
+
+    def decode(self, ids):
+        return "".join(chr(97 + i) if i < 26 else " " if i == 26 else "#" for i in ids)

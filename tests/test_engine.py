@@ -1,0 +1,148 @@
+"""The decoding engine: the low_confidence rules step by step, batching, limits, seeds, penalties."""
+
+import pytest
+from fakes import CharTokenizer, ScriptedModel
+
+from clover.engine import Engine
+from clover.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True, record_steps=True)
+
+
+def _table(table, default=(1, 0.1)):
+    """script from {(j, position): (token, prob)}."""
+    return lambda j, pos: table.get((j, pos), default)
+
+
+def test_threshold_and_fallback_accept_exactly_the_prescribed_positions():
+    # prompt of 11, block 8: prefill 8, first block = 3 prompt tokens + 5 masks at positions 11..15
+    table = {
+        (0, 11): (20, 0.5), (0, 12): (21, 0.97), (0, 13): (22, 0.2), (0, 14): (23, 0.96), (0, 15): (24, 0.3),
+        (1, 11): (30, 0.6), (1, 13): (32, 0.4), (1, 15): (34, 0.7),     # none >= 0.95: only the best, 15
+        (2, 11): (40, 0.99), (2, 13): (42, 0.951),                      # both
+    }
+    model = ScriptedModel(_table(table))
+    result = Engine(model).generate([list(range(11))], GREEDY)[0]
+    assert model.calls[0] == ("causal", [list(range(8))], [0])       # prefill of floor(P/B)*B tokens
+    assert model.calls[1] == ("preview", [[8, 9, 10, 63, 63, 63, 63, 63]], [0])  # prompt tail fixed in block
+    assert result.token_ids == [40, 21, 42, 23, 34]
+    assert result.accept_steps == [3, 1, 3, 1, 2]
+    assert [r.accepted for r in result.trace] == [[4, 6], [7], [3, 5]]
+    assert result.stats.preview_forwards == 3 and result.finish_reason == "length"
+    assert result.stats.commit_forwards == 0  # the last block is not committed: the sequence is done
+
+
+def test_cap_per_step_keeps_the_most_confident():
+    table = {(0, p): (p, c) for p, c in zip(range(8, 16), [0.96, 0.99, 0.97, 0.98, 0.5, 0.995, 0.96, 0.2], strict=True)}
+    model = ScriptedModel(_table(table, default=(1, 0.99)))
+    params = GREEDY.with_(max_new_tokens=8, max_accept_per_step=2)
+    result = Engine(model).generate([list(range(8))], params)[0]
+    assert [r.accepted for r in result.trace][0] == [1, 5]  # 0.99 and 0.995 of the five above 0.95
+    assert all(len(r.accepted) <= 2 for r in result.trace)
+
+
+def test_eos_fills_the_rest_of_the_block_and_stops():
+    eos = 62
+    table = {(0, 10): (eos, 0.99), (0, 9): (7, 0.3), (1, 9): (7, 0.99), (0, 8): (5, 0.99)}
+    model = ScriptedModel(_table(table, default=(3, 0.1)))
+    result = Engine(model).generate([list(range(8))], SamplingParams(max_new_tokens=20, record_steps=True))[0]
+    first = result.trace[0]
+    assert first.accepted == [0, 2] and first.tokens[3:] == [eos] * 5  # later slots became EOS at once
+    assert result.token_ids == [5, 7] and result.finish_reason == "stop"
+    assert result.stats.preview_forwards == 2 and len(result.trace) == 2
+
+
+def test_truncated_last_block_and_exact_max_new_tokens():
+    model = ScriptedModel(lambda j, pos: (pos % 40, 0.99))  # every slot confident: one preview per block
+    result = Engine(model).generate([list(range(11))], GREEDY.with_(max_new_tokens=10))[0]
+    previews = [c[1][0] for c in model.calls if c[0] == "preview"]
+    assert [len(b) for b in previews] == [8, 5]  # 3 prompt + 5 new, then the last block cut to the 5 left
+    assert len(result.token_ids) == 10 and result.finish_reason == "length"
+    assert result.token_ids == [p % 40 for p in range(11, 21)]
+    assert result.stats.blocks == 2 and result.stats.commit_forwards == 1 and result.stats.nfe == 3
+
+
+def test_stop_token_ids_and_stop_strings_are_exact():
+    # tokens spell "abcdefgh..." from position 8 on; AR and diffusion
+    for algorithm in ("ar", "low_confidence"):
+        model = ScriptedModel(lambda j, pos: (pos - 8, 0.99), ar_script=lambda pos: (pos - 8, 0.99))
+        engine = Engine(model, tokenizer=CharTokenizer())
+        params = SamplingParams(max_new_tokens=12, algorithm=algorithm, stop=("def",))
+        result = engine.generate([list(range(8))], params)[0]
+        assert result.text == "abc" and result.finish_reason == "stop", algorithm
+        assert result.token_ids == [0, 1, 2, 3, 4, 5]  # up to the token that completes the stop string
+        result = engine.generate([list(range(8))], params.with_(stop=(), stop_token_ids=(4,)))[0]
+        assert result.token_ids == [0, 1, 2, 3] and result.text == "abcd" and result.finish_reason == "stop"
+
+
+def test_streamed_text_never_shows_a_partial_stop_string():
+    model = ScriptedModel(lambda j, pos: (pos - 8, 0.99))
+    engine = Engine(model, tokenizer=CharTokenizer())
+    params = SamplingParams(max_new_tokens=30, stop=("jkl",), block_size=4)
+    events = list(engine.stream(list(range(8)), params))
+    assert "".join(e.text for e in events) == "abcdefghi"
+    assert [e.text for e in events][:2] == ["abcd", "efgh"]
+    assert events[-1].finished and events[-1].result.text == "abcdefghi"
+
+
+def test_penalties_count_response_tokens_only():
+    # AR model that always prefers token 5 (p=0.05, every other token 0.95/62 ~ 0.015)
+    model = ScriptedModel(ar_script=lambda pos: (5, 0.05))
+    engine = Engine(model)
+    base = SamplingParams(max_new_tokens=3, algorithm="ar", ignore_eos=True)
+    assert engine.generate([[5, 5, 5]], base)[0].token_ids == [5, 5, 5]   # prompt occurrences do not count
+    out = engine.generate([[5, 5, 5]], base.with_(frequency_penalty=2.0))[0].token_ids
+    assert out[0] == 5 and out[1] != 5                                   # penalised once it was generated
+    out = engine.generate([[1]], base.with_(repetition_penalty=10.0))[0].token_ids
+    assert out[0] == 5 and out[1] != 5
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(threshold=1.5), "threshold"),
+    (dict(algorithm="beam"), "algorithm"),
+    (dict(block_size=0), "block_size"),
+    (dict(max_accept_per_step=0), "max_accept_per_step"),
+    (dict(stop_token_ids=(99,)), "stop_token_ids"),
+    (dict(max_new_tokens=2000), "exceeds the context limit of 1024"),
+    (dict(stop=("x",)), "stop strings need a tokenizer"),
+])
+def test_bad_parameters_are_rejected_with_the_field_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(ScriptedModel()).add_request([1, 2], SamplingParams(**bad))
+
+
+def test_bad_prompts_are_rejected():
+    engine = Engine(ScriptedModel())
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 64])
+    engine.add_request([1], request_id="a")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1], request_id="a")
+
+
+def test_rows_are_reused_and_the_cache_is_freed_when_idle():
+    model = ScriptedModel(lambda j, pos: (1, 0.99))
+    engine = Engine(model, max_batch_size=2)
+    for n in (3, 9, 17):
+        engine.add_request(list(range(n)), SamplingParams(max_new_tokens=4 + n, ignore_eos=True))
+    engine.step()
+    assert engine.num_running == 2 and len(engine.waiting) == 1
+    rows = engine.cache.batch_size
+    while engine.has_unfinished():
+        engine.step()
+        if engine.cache is not None:
+            assert engine.cache.batch_size == rows  # the third request reused a freed row
+    assert engine.cache is None
+
+
+def test_abort_frees_the_row():
+    engine = Engine(ScriptedModel(lambda j, pos: (1, 0.1)))
+    a = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.abort(a) and not engine.has_unfinished() and engine.cache is None
+    assert not engine.abort("nope")

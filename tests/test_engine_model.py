@@ -1,0 +1,95 @@
+"""The engine on a real (random-weight) model: thresholds, batch invariance, seeds, joins, AR parity."""
+
+import pytest
+import torch
+from conftest import perturbed_model
+
+from clover.config import CloverConfig
+from clover.engine import Engine
+from clover.sampling import SamplingParams
+
+PROMPTS = [[3, 1, 4], list(range(20, 31)), list(range(100, 117)), [7] * 8]
+
+
+@pytest.fixture(scope="module")
+def sharp_model():
+    """Random weights with a scaled-up head: peaked distributions, so thresholds accept several slots."""
+    torch.manual_seed(0)
+    model = perturbed_model(CloverConfig.preset("debug"))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+def test_threshold_one_accepts_one_token_per_step_and_zero_fills_each_block_at_once(sharp_model):
+    engine = Engine(sharp_model)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, threshold=1.0, record_steps=True)
+    one = engine.generate([PROMPTS[1]], params)[0]
+    assert all(len(r.accepted) == 1 for r in one.trace)
+    assert one.stats.preview_forwards == 20 and sorted(one.accept_steps) == list(range(1, 21))
+    zero = engine.generate([PROMPTS[1]], params.with_(threshold=0.0))[0]
+    assert zero.stats.preview_forwards == zero.stats.blocks == 3  # 5 + 8 + 7 tokens
+    assert zero.stats.tpf == 20 / (3 + 2)
+
+
+def test_a_threshold_under_the_top_confidences_accepts_several_tokens_per_step(sharp_model):
+    # confidences of this model's previews lie around 0.5-0.9
+    result = Engine(sharp_model).generate([PROMPTS[2]], SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                                                       threshold=0.75, record_steps=True))[0]
+    assert max(len(r.accepted) for r in result.trace) > 1  # the test exercises parallel acceptance
+    assert result.stats.tpf > 1
+
+
+def test_greedy_output_alone_equals_output_in_a_mixed_batch(sharp_model):
+    engine = Engine(sharp_model)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, algorithm=a, threshold=0.75)
+              for n, a in zip([13, 20, 9, 16], ["low_confidence", "ar", "low_confidence", "low_confidence"],
+                              strict=True)]
+    params[3] = params[3].with_(block_size=4, threshold=0.6)
+    alone = [engine.generate([p], [sp])[0].token_ids for p, sp in zip(PROMPTS, params, strict=True)]
+    together = [r.token_ids for r in engine.generate(PROMPTS, params)]
+    assert together == alone
+    assert [len(t) for t in alone] == [13, 20, 9, 16]
+
+
+def test_joining_between_steps_does_not_change_outputs(sharp_model):
+    engine = Engine(sharp_model)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, threshold=0.75)
+    alone = [engine.generate([p], params)[0].token_ids for p in PROMPTS]
+    results = {}
+    ids = [engine.add_request(PROMPTS[0], params)]
+    steps = 0
+    while engine.has_unfinished():
+        if steps in (1, 3, 4):
+            ids.append(engine.add_request(PROMPTS[len(ids)], params))
+        for ev in engine.step():
+            if ev.finished:
+                results[ev.request_id] = ev.result.token_ids
+        steps += 1
+    assert [results[i] for i in ids] == alone
+
+
+def test_same_seed_same_sample_and_seeds_differ(sharp_model):
+    engine = Engine(sharp_model)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.5, top_p=0.95, top_k=50, seed=7)
+    a = engine.generate([PROMPTS[1]], params)[0].token_ids
+    b = engine.generate([PROMPTS[1], PROMPTS[2]], [params, params.with_(seed=8)])[0].token_ids
+    c = engine.generate([PROMPTS[1]], params.with_(seed=9))[0].token_ids
+    assert a == b and a != c
+    ar = params.with_(algorithm="ar")
+    assert engine.generate([PROMPTS[0]], ar)[0].token_ids == engine.generate([PROMPTS[0]], ar)[0].token_ids
+
+
+def test_eos_ends_generation_on_a_real_model():
+    torch.manual_seed(0)
+    model = perturbed_model(CloverConfig.preset("debug"))
+    head = torch.nn.Linear(64, 512)  # a head whose bias makes EOS (510) likely everywhere, after a start
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[510] = 0.3
+    model.lm_head = head
+    for algorithm in ("ar", "low_confidence"):
+        result = Engine(model).generate([PROMPTS[0]], SamplingParams(max_new_tokens=20, algorithm=algorithm))[0]
+        assert result.finish_reason == "stop" and 510 not in result.token_ids
+        assert len(result.token_ids) < 20
