@@ -1,0 +1,112 @@
+"""Tokenizer: a `tokenizers` byte-level BPE with Clover's special tokens and the chat template.
+
+A checkpoint directory holds `tokenizer.json` and `tokenizer_config.json` (special tokens and the
+Jinja `chat_template`), as transformers writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from clover.chat import DEFAULT_CHAT_TEMPLATE, render_chat
+
+EOS_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mask|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, "<think>", "</think>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>", MASK_TOKEN)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory is missing or inconsistent."""
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str = DEFAULT_CHAT_TEMPLATE) -> None:
+        self.tk = tokenizer
+        self.chat_template = chat_template
+        missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+        if missing:
+            raise TokenizerError(f"tokenizer lacks the special token(s) {missing}")
+        self.special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+
+    # -- ids --------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size()
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.special_ids[MASK_TOKEN]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Ends of generation: end of text and end of turn."""
+        return [self.special_ids[EOS_TOKEN], self.special_ids[IM_END]]
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids; special tokens written in the text are recognised."""
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+        enable_thinking: bool = True, **extra: Any,
+    ) -> str:
+        return render_chat(self.chat_template, messages, tools, add_generation_prompt, enable_thinking, **extra)
+
+    # -- files ------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Tokenizer:
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"no tokenizer.json in {directory}")
+        try:
+            tk = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises its own exception type
+            raise TokenizerError(f"{path} could not be read: {exc}") from exc
+        template = DEFAULT_CHAT_TEMPLATE
+        cfg = directory / "tokenizer_config.json"
+        if cfg.is_file():
+            try:
+                template = json.loads(cfg.read_text()).get("chat_template") or template
+            except json.JSONDecodeError as exc:
+                raise TokenizerError(f"{cfg} is not valid JSON: {exc}") from exc
+        return cls(tk, template)
+
+    def files(self) -> dict[str, str]:
+        """The files that describe this tokenizer, for writing into a checkpoint directory."""
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": IM_END, "pad_token": EOS_TOKEN,
+            "mask_token": MASK_TOKEN, "additional_special_tokens": list(SPECIAL_TOKENS),
+            "chat_template": self.chat_template, "model_max_length": 131072,
+        }
+        return {"tokenizer.json": self.tk.to_str(pretty=False), "tokenizer_config.json": json.dumps(config, indent=2)}
+
+    def save(self, directory: str | os.PathLike) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        for name, text in self.files().items():
+            (Path(directory) / name).write_text(text)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> Tokenizer:
+        """Byte-level BPE trained on `texts`; the special tokens take the first ids."""
+        tk = HFTokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        )
+        tk.train_from_iterator(texts, trainer=trainer)
+        return cls(tk)

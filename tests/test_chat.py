@@ -1,0 +1,136 @@
+"""Chat template, tokenizer files and the output parser (one-shot and incremental)."""
+
+import json
+
+import pytest
+
+from clover.chat import ChatFormatError, StreamingParser, parse_output, render_chat
+from clover.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "hours": {"type": "array"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = ["def f(x):\n    return x + 1\n", "The weather in Paris is sunny today.\n"] * 50
+    return Tokenizer.train(texts, vocab_size=400, min_frequency=1)
+
+
+def test_template_renders_the_spec_format_thinking_on_and_off(tokenizer):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    on = tokenizer.apply_chat_template(msgs)
+    assert on == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    off = tokenizer.apply_chat_template(msgs, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    history = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": "Hello."}],
+                                            add_generation_prompt=False)
+    assert history.endswith("<|im_start|>assistant\nHello.<|im_end|>\n")
+
+
+def test_template_with_tools_and_tool_turns(tokenizer):
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "b", "content": "rain"}]
+    text = tokenizer.apply_chat_template(msgs, tools=TOOLS)
+    assert text.startswith("<|im_start|>system\n# Tools\n")
+    assert json.dumps(TOOLS[0]) in text
+    assert ("<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+            "</function>\n</tool_call><|im_end|>\n") in text
+    assert ("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>\n"
+            "<|im_end|>\n<|im_start|>assistant\n<think>\n") in text
+
+
+@pytest.mark.parametrize("messages,tools,message", [
+    ([], None, "messages is empty"),
+    ([{"role": "robot", "content": "x"}], None, "role in"),
+    ([{"role": "user", "content": 3}], None, "must be a string"),
+    ([{"role": "user"}], None, "has no content"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}], None,
+     "is not JSON"),
+    ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "bad name!"}}], "function.name"),
+    ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "type object"),
+])
+def test_bad_chat_input_is_rejected_clearly(messages, tools, message):
+    with pytest.raises(ChatFormatError, match=message):
+        render_chat("{{ messages }}", messages, tools)
+
+
+def test_sandbox_blocks_template_escapes():
+    with pytest.raises(ChatFormatError, match="chat template failed"):
+        render_chat("{{ ''.__class__.__mro__[1].__subclasses__() }}", [{"role": "user", "content": "x"}])
+
+
+ASSISTANT = {"role": "assistant", "reasoning_content": "The user wants weather.\nCall the tool.",
+             "content": "Checking now.",
+             "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {
+                 "city": "New York", "days": 3, "metric": True, "hours": [1, 2]}}},
+                 {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}
+
+
+def _assistant_output(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Weather?"}, ASSISTANT], tools=TOOLS,
+                                         add_generation_prompt=False)
+    start = text.rindex("<|im_start|>assistant\n<think>\n") + len("<|im_start|>assistant\n<think>\n")
+    return text[start: text.rindex("<|im_end|>")]
+
+
+def test_render_then_parse_round_trips(tokenizer):
+    out = parse_output(_assistant_output(tokenizer), thinking=True, tools=TOOLS)
+    assert out.errors == []
+    assert out.reasoning == ASSISTANT["reasoning_content"] and out.content == "Checking now."
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in ASSISTANT["tool_calls"]]
+    assert json.loads(out.tool_calls[0].arguments_json())["days"] == 3
+
+
+def test_incremental_parser_equals_one_shot_at_every_split(tokenizer):
+    texts = [_assistant_output(tokenizer), "  Plain answer with <b>tags</b> and < signs.  ", "unfinished thought </thi",
+             "a</think>\n\nb<tool_call>\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n</function>\n"]
+    for text in texts:
+        for thinking in (True, False):
+            whole = parse_output(text, thinking=thinking, tools=TOOLS)
+            for cut in range(len(text) + 1):
+                for cut2 in sorted({cut, (cut + len(text)) // 2}):
+                    p = StreamingParser(thinking=thinking, tools=TOOLS)
+                    deltas = [p.feed(text[:cut]), p.feed(text[cut:cut2]), p.feed(text[cut2:]), p.finish()]
+                    reasoning = "".join(d.reasoning for d in deltas)
+                    assert reasoning == (whole.reasoning or ""), (text, cut)
+                    assert "".join(d.content for d in deltas) == whole.content, (text, cut)
+                    assert [c for d in deltas for c in d.tool_calls] == whole.tool_calls
+                    assert deltas[-1].errors == whole.errors
+
+
+def test_malformed_calls_are_reported_not_crashed_on():
+    bad = ("<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>"
+           "<tool_call>\nnot a call\n</tool_call>"
+           "<tool_call>\n<function=launch>\n</function>\n</tool_call>"
+           "<tool_call>\n<function=get_weather>\n<parameter=city>\nX")
+    out = parse_output(bad, thinking=False, tools=TOOLS)
+    assert [c.name for c in out.tool_calls] == ["get_weather", "launch"]
+    assert out.tool_calls[0].arguments == {"days": "three"}
+    text = " | ".join(out.errors)
+    for expected in ("get_weather.days", "missing required parameter(s) ['city']", "malformed tool call",
+                     "unknown function 'launch'", "unterminated tool call"):
+        assert expected in text
+
+
+def test_tokenizer_files_round_trip_and_specials(tmp_path, tokenizer):
+    tokenizer.save(tmp_path)
+    loaded = Tokenizer.load(tmp_path)
+    text = "<|im_start|>user\nThe weather<|im_end|>\n<think>\n"
+    assert loaded.encode(text) == tokenizer.encode(text) and loaded.decode(loaded.encode(text)) == text
+    ids = loaded.encode("<tool_call><|mask|>")
+    assert ids == [loaded.special_ids["<tool_call>"], loaded.mask_token_id] and len(SPECIAL_TOKENS) == 10
+    assert loaded.eos_token_ids == [0, 2]
+    assert "é—ü 🙂" == loaded.decode(loaded.encode("é—ü 🙂"))  # byte level: any text round-trips
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        Tokenizer.load(tmp_path / "nope")
