@@ -33,6 +33,24 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 CLOVER_EXTRAS = ("conv_right", "preview_log_scale", "history_bias")
 
 
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "clover-tiny"
+
+
+def default_model_dir() -> Path:
+    """The model used when none is named: $CLOVER_MODEL, else the shipped clover-tiny."""
+    return Path(os.environ.get("CLOVER_MODEL", DEFAULT_MODEL_DIR))
+
+
+def load_generation_config(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, incomplete, corrupted or does not match its config."""
 
@@ -221,6 +239,11 @@ def load_checkpoint(
     """Load a Clover checkpoint directory. dtype: float32 / bfloat16 / float16 / None (as stored)."""
     directory = Path(directory)
     if not directory.is_dir():
+        if directory == DEFAULT_MODEL_DIR:
+            raise CheckpointError(
+                f"the shipped model is not in this checkout ({directory}); build it with `make model` or pass "
+                "--model DIR (a random-weight one: `clover init DIR --preset tiny`)"
+            )
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     try:
         config = CloverConfig.load(directory)

@@ -4,6 +4,8 @@
     clover convert SRC DST                                         transformers Qwen3.5-MoE -> Clover
     clover info    DIR                                             config and parameter counts
     clover check   DIR                                             the spec's invariants, measured
+    clover generate [PROMPT]                                       decode a prompt (block diffusion or AR)
+    clover chat                                                    interactive multi-turn chat
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from collections.abc import Callable
 
 import torch
 
+from clover.chat import ChatFormatError
 from clover.checkpoint import CheckpointError, convert_transformers_checkpoint, load_checkpoint, save_checkpoint
+from clover.cli_generate import add_chat_parser, add_generate_parser
 from clover.config import PRESETS, CloverConfig, ConfigError
 from clover.model import CloverForCausalLM
+from clover.tokenizer import Tokenizer, TokenizerError, stdlib_texts
 from clover.verify import verify_model
 
 
@@ -34,10 +39,22 @@ def cmd_init(args: argparse.Namespace) -> int:
     total, _ = config.num_parameters()
     if total > 2e9 and not args.force:
         raise ValueError(f"preset {args.preset!r} has {_human(total)} parameters; pass --force to allocate it")
+    tokenizer = None
+    if args.tokenizer:
+        tokenizer = Tokenizer.load(args.tokenizer)
+    elif config.vocab_size <= 65536 and not args.no_tokenizer:
+        # a byte-level BPE on standard-library source, so that text commands work on the new model
+        tokenizer = Tokenizer.train(stdlib_texts(), vocab_size=config.vocab_size)
+    if tokenizer is not None:
+        config = CloverConfig.preset(args.preset, **{
+            **overrides, "vocab_size": max(config.vocab_size, tokenizer.vocab_size),
+            "mask_token_id": tokenizer.mask_token_id, "eos_token_id": tokenizer.eos_token_ids})
     torch.manual_seed(args.seed)
     model = CloverForCausalLM(config)
-    save_checkpoint(model, args.directory, dtype=args.dtype)
-    print(f"wrote {args.directory}: preset {args.preset}, {_human(total)} parameters, random weights (seed {args.seed})")
+    save_checkpoint(model, args.directory, dtype=args.dtype, extra_files=tokenizer.files() if tokenizer else None)
+    with_tok = f", tokenizer of {tokenizer.vocab_size} tokens" if tokenizer else ", no tokenizer"
+    print(f"wrote {args.directory}: preset {args.preset}, {_human(total)} parameters, random weights "
+          f"(seed {args.seed}){with_tok}")
     return 0
 
 
@@ -97,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="allow presets over 2B parameters")
+    p.add_argument("--tokenizer", metavar="DIR", help="copy the tokenizer of this directory")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="write no tokenizer (default: train a byte-level BPE on Python standard-library source)")
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("convert", help="convert a transformers Qwen3.5-MoE checkpoint into a Clover one",
@@ -131,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
     p.set_defaults(func=cmd_check)
+
+    add_generate_parser(sub)
+    add_chat_parser(sub)
     return parser
 
 
@@ -139,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (CheckpointError, ConfigError, ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
+    except (CheckpointError, ConfigError, TokenizerError, ChatFormatError, ValueError, FileNotFoundError,
+            json.JSONDecodeError) as exc:
         print(f"clover {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

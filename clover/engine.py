@@ -66,7 +66,7 @@ class StepRecord:
     tokens: list[int]         # the block after this step (mask id where still unknown)
     draft: list[int]          # this step's prediction at every slot (resolved slots keep their token)
     confidence: list[float]   # confidence of each prediction (1.0 for resolved slots)
-    accepted: list[int]       # slots accepted at this step
+    accepted: list[int]       # slots accepted at this step (end-of-sequence fill included)
 
 
 @dataclass
@@ -364,6 +364,7 @@ class Engine:
         for slot in chosen.tolist():
             s.block_steps[slot] = s.step
         s.counts.index_add_(0, chosen_tokens, torch.ones_like(chosen_tokens, dtype=s.counts.dtype))
+        accepted = chosen.tolist()
         if not p.ignore_eos and self.eos_ids:
             is_eos = torch.tensor([int(t) in self.eos_ids for t in chosen_tokens.tolist()], dtype=torch.bool)
             if bool(is_eos.any()):
@@ -371,6 +372,7 @@ class Engine:
                 later = torch.arange(first + 1, len(s.block), device=s.block.device)
                 for slot in later[~s.resolved[later]].tolist():
                     s.block_steps[slot] = s.step
+                    accepted.append(slot)
                 s.block[later] = int(s.block[first])
                 s.resolved[later] = True
         if p.record_steps:
@@ -381,7 +383,7 @@ class Engine:
             s.trace.append(StepRecord(
                 step=s.step, block=s.pos // s.block_size, start=s.pos, fixed=s.fixed,
                 tokens=torch.where(s.resolved, s.block, self.config.mask_token_id).tolist(), draft=draft.tolist(),
-                confidence=confidence.tolist(), accepted=sorted(chosen.tolist()),
+                confidence=confidence.tolist(), accepted=sorted(accepted),
             ))
 
     # -- output --------------------------------------------------------------------------------------

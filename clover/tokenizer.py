@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,22 @@ class Tokenizer:
         )
         tk.train_from_iterator(texts, trainer=trainer)
         return cls(tk)
+
+
+def stdlib_texts(max_bytes: int = 2_000_000) -> Iterator[str]:
+    """Python standard-library sources (tests excluded) in a fixed order, up to max_bytes: text that
+    is on every machine, for tokenizers of models built without a corpus (`clover init`)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if any(p in ("test", "tests", "idle_test", "site-packages") for p in rel):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        total += len(text)
+        if total > max_bytes:
+            return
+        yield text

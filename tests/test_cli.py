@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from clover.cli import main as cli_main
@@ -45,3 +46,69 @@ def test_init_refuses_the_35b_preset_without_force(tmp_path, capsys):
     assert "pass --force" in capsys.readouterr().err
     assert not (tmp_path / "big").exists()
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("model") / "m"
+    assert cli_main(["init", str(d), "--preset", "debug", "--seed", "1"]) == 0
+    return str(d)
+
+
+def _run(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "clover.cli", *args], capture_output=True, text=True, input=stdin,
+                          timeout=120)
+
+
+def test_generate_json_and_streamed_text_agree(text_model):
+    out = _run("generate", "def add(a, b):", "--model", text_model, "--max-new-tokens", "12", "--json",
+               "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["token_ids"]) == 12 and data["finish_reason"] == "length"
+    assert data["stats"]["nfe"] == data["stats"]["preview_forwards"] + data["stats"]["commit_forwards"]
+    plain = _run("generate", "def add(a, b):", "--model", text_model, "--max-new-tokens", "12", "--ignore-eos")
+    assert plain.stdout == data["text"] + "\n"
+    assert "12 tokens" in plain.stderr and "TPF" in plain.stderr
+
+
+def test_generate_reads_stdin_and_files_and_writes_a_trace(text_model, tmp_path):
+    (tmp_path / "p.txt").write_text("import os\n")
+    a = _run("generate", "--file", str(tmp_path / "p.txt"), "--model", text_model, "--max-new-tokens", "6", "--json")
+    b = _run("generate", "--model", text_model, "--max-new-tokens", "6", "--json", stdin="import os\n")
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+    trace = tmp_path / "t.html"
+    c = _run("generate", "x = ", "--model", text_model, "--max-new-tokens", "10", "--show-steps", "--trace",
+             str(trace), "--chat", "--no-think")
+    assert c.returncode == 0, c.stderr
+    assert "steps within a block" in c.stdout and "\033[38;5;" in c.stdout
+    page = trace.read_text()
+    assert page.startswith("<!doctype html>") and '"steps": [{' in page and "<script>" in page
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "hi", "--max-new-tokens", "-3"], "max_new_tokens must be a positive integer"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be between 0 and 100"),
+    (["generate", "hi", "--threshold", "2"], "threshold must be between 0 and 1"),
+    (["generate", "hi", "--max-new-tokens", "5000"], "exceeds the context limit"),
+    (["generate", "word " * 1100], "exceeds the context limit"),
+])
+def test_generate_bad_input_is_one_line_and_non_zero(text_model, args, message):
+    out = _run(*args, "--model", text_model)
+    assert out.returncode == 1
+    assert message in out.stderr and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+
+
+def test_generate_unknown_model_path():
+    out = _run("generate", "hi", "--model", "/nonexistent/model")
+    assert out.returncode == 1 and "does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_chat_session(text_model):
+    script = "hello\n/think off\nhow are you\n/bogus\n/reset\n/exit\n"
+    out = _run("chat", "--model", text_model, "--max-new-tokens", "8", stdin=script)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("forwards, TPF") == 2
+    assert "(thinking off)" in out.stdout and "unknown command /bogus" in out.stdout
+    assert "(history cleared)" in out.stdout

@@ -47,7 +47,7 @@ def test_eos_fills_the_rest_of_the_block_and_stops():
     model = ScriptedModel(_table(table, default=(3, 0.1)))
     result = Engine(model).generate([list(range(8))], SamplingParams(max_new_tokens=20, record_steps=True))[0]
     first = result.trace[0]
-    assert first.accepted == [0, 2] and first.tokens[3:] == [eos] * 5  # later slots became EOS at once
+    assert first.accepted == [0, 2, 3, 4, 5, 6, 7] and first.tokens[3:] == [eos] * 5  # later slots: EOS at once
     assert result.token_ids == [5, 7] and result.finish_reason == "stop"
     assert result.stats.preview_forwards == 2 and len(result.trace) == 2
 
