@@ -136,6 +136,7 @@ class Engine:
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self._ids = itertools.count()
+        self.forward_seconds = 0.0  # wall time inside model forwards, all sequences together
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -252,6 +253,7 @@ class Engine:
         t0 = time.perf_counter()
         out = getattr(self.model, fn)(ids, self.cache, lengths=torch.tensor(lengths, device=ids.device), rows=rows, **kw)
         dt = time.perf_counter() - t0
+        self.forward_seconds += dt
         for s in seqs:
             s.stats.model_time += dt
         return out
