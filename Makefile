@@ -16,11 +16,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-# Until the shipped model exists, the demo builds a `tiny` model with random weights and checks
-# every forward mode and invariant on it.
+# Until the shipped model exists, the demo builds a `tiny` model with random weights (its text is
+# noise), checks every forward mode and invariant on it, and decodes a prompt showing the steps.
 demo: setup
-	$(BIN)/clover init $(DEMO_MODEL) --preset tiny
+	test -f $(DEMO_MODEL)/tokenizer.json || $(BIN)/clover init $(DEMO_MODEL) --preset tiny
 	$(BIN)/clover check $(DEMO_MODEL)
+	$(BIN)/clover generate --model $(DEMO_MODEL) 'def fibonacci(n):' --max-new-tokens 48 --show-steps
 
 test: setup
 	$(BIN)/ruff check .
@@ -34,6 +35,7 @@ lint: setup
 
 bench: setup
 	$(BIN)/python benchmarks/forward.py
+	$(BIN)/python benchmarks/decode.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

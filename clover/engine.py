@@ -225,10 +225,14 @@ class Engine:
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[Event]:
         """Decode one prompt alone, yielding each block (or token, for `ar`) as it becomes final."""
         rid = self.add_request(prompt_ids, params)
-        while self.has_unfinished():
+        while True:
             for ev in self.step():
                 if ev.request_id == rid:
                     yield ev
+                    if ev.finished:
+                        return
+            if not any(s.rid == rid for s in itertools.chain(self.waiting, self.running)):
+                return  # aborted
 
     # -- admission and prefill -----------------------------------------------------------------------
     def _admit(self) -> list[_Sequence]:

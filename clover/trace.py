@@ -73,7 +73,7 @@ def render_steps_ansi(result: GenerationResult, decode: Callable[[list[int]], st
             f"{stats.generated_tokens} tokens, {stats.nfe} forwards, TPF {stats.tpf:.2f}\033[0m")
 
 
-_PAGE = """<!doctype html>
+_PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Clover denoising trace</title>
 <style>
 body{font:15px/1.5 system-ui,sans-serif;margin:2rem;max-width:70rem;color:#222}
@@ -132,7 +132,8 @@ document.getElementById('play').onclick = () => {
 document.getElementById('prev').onclick = () => show(Math.max(0, +slider.value - 1));
 document.getElementById('next').onclick = () => show(Math.min(D.steps.length, +slider.value + 1));
 slider.oninput = () => show(+slider.value);
-show(D.steps.length);
+const hash = location.hash.match(/step=(\d+)/);
+show(hash ? Math.min(+hash[1], D.steps.length) : D.steps.length);
 </script></body></html>
 """
 
