@@ -6,6 +6,8 @@ XML-style `<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function>
 tool results come back wrapped in `<tool_response>` inside a user turn (the Qwen3.5 convention:
 consecutive tool messages share one turn). Thinking mode opens the assistant turn with
 `<think>\\n`; with thinking off the template pre-fills an empty `<think>\\n\\n</think>\\n\\n`.
+Assistant turns after the last user message keep their reasoning (or the empty think block), so
+that a rendered conversation extends its own generation prompts; earlier turns drop it.
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ value
 {{ m.content }}<|im_end|>
 {% elif m.role == 'assistant' -%}
 <|im_start|>assistant
-{% if m.reasoning_content and loop.index0 > ns.last_user -%}
+{% if loop.index0 > ns.last_user -%}
 <think>
-{{ m.reasoning_content }}
-</think>
+{{ m.reasoning_content or '' }}
+{% if m.reasoning_content %}
+{% endif %}</think>
 
 {% endif -%}
 {{ m.content or '' }}

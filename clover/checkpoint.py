@@ -225,7 +225,10 @@ def build_model(
     device = resolve_device(device)
     floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
     dtype = dtype or (floats[0] if floats else torch.float32)
-    tensors = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)) for k, v in tensors.items()}
+    # fresh, owned buffers (not views of a file mapping): the same memory layout as a model built in
+    # place, so that kernels take the same paths and a resumed run repeats an uninterrupted one bit for bit
+    tensors = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)).clone()
+               for k, v in tensors.items()}
     with torch.device("meta"):
         model = CloverForCausalLM(config)
     _check_and_assign(model, tensors, source)

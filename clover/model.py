@@ -326,15 +326,15 @@ class CloverForCausalLM(nn.Module):
     def causal(
         self, input_ids: torch.Tensor, cache: PrefixCache | None = None, lengths: torch.Tensor | None = None,
         logits: str = "all", rows: torch.Tensor | list[int] | None = None,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """Run input_ids [N,T] causally after the cache (if any) and append them to it.
 
         `logits`: "all" -> [N,T,V]; "last" -> [N,V] at each row's last valid position; "none" -> None
-        (a commit needs no logits). `rows`: the cache rows the N input rows belong to (default: all,
+        (a commit needs no logits); "train" -> (final hidden states [N,T,D], router aux loss). `rows`: the cache rows the N input rows belong to (default: all,
         in order), so that a sub-batch runs over a shared cache without copying it.
         """
-        if logits not in ("all", "last", "none"):
-            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        if logits not in ("all", "last", "none", "train"):
+            raise ValueError(f"logits must be 'all', 'last', 'none' or 'train', got {logits!r}")
         self._check_ids(input_ids, "input_ids")
         n, t = input_ids.shape
         if cache is not None:
@@ -370,9 +370,13 @@ class CloverForCausalLM(nn.Module):
                 cache.set_gdn(i, rows, res.state, res.ring)
             return res.out
 
-        h, _ = self._run(input_ids, past[:, None] + steps[None, :], mixer)
+        h, router_logits = self._run(input_ids, past[:, None] + steps[None, :], mixer)
         if cache is not None:
             cache.advance(rows, lengths)
+        if logits == "train":
+            valid = (steps[None, :] < lengths[:, None]).reshape(-1)
+            aux = load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok, valid)
+            return h, aux
         if logits == "none":
             return None
         if logits == "last":

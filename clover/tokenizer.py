@@ -113,19 +113,24 @@ class Tokenizer:
         return cls(tk)
 
 
-def stdlib_texts(max_bytes: int = 2_000_000) -> Iterator[str]:
-    """Python standard-library sources (tests excluded) in a fixed order, up to max_bytes: text that
-    is on every machine, for tokenizers of models built without a corpus (`clover init`)."""
+def stdlib_sources() -> Iterator[tuple[str, str]]:
+    """(relative path, text) of the Python standard library's sources, tests excluded, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    total = 0
     for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(p in ("test", "tests", "idle_test", "site-packages") for p in rel):
+        rel = path.relative_to(root)
+        if any(p in ("test", "tests", "idle_test", "site-packages") for p in rel.parts):
             continue
         try:
-            text = path.read_text(encoding="utf-8")
+            yield str(rel), path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
+
+
+def stdlib_texts(max_bytes: int = 2_000_000) -> Iterator[str]:
+    """Standard-library sources up to max_bytes: text that is on every machine, for tokenizers of
+    models built without a corpus (`clover init`)."""
+    total = 0
+    for _, text in stdlib_sources():
         total += len(text)
         if total > max_bytes:
             return

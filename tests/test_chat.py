@@ -28,7 +28,10 @@ def test_template_renders_the_spec_format_thinking_on_and_off(tokenizer):
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     history = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": "Hello."}],
                                             add_generation_prompt=False)
-    assert history.endswith("<|im_start|>assistant\nHello.<|im_end|>\n")
+    assert history.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nHello.<|im_end|>\n")
+    earlier = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": "Hello.", "reasoning_content": "r"},
+                                                    {"role": "user", "content": "Again"}])
+    assert "<|im_start|>assistant\nHello.<|im_end|>\n" in earlier  # reasoning of earlier turns is dropped
 
 
 def test_template_with_tools_and_tool_turns(tokenizer):
@@ -41,7 +44,7 @@ def test_template_with_tools_and_tool_turns(tokenizer):
     text = tokenizer.apply_chat_template(msgs, tools=TOOLS)
     assert text.startswith("<|im_start|>system\n# Tools\n")
     assert json.dumps(TOOLS[0]) in text
-    assert ("<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    assert ("<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
             "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
             "</function>\n</tool_call><|im_end|>\n") in text
     assert ("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>\n"

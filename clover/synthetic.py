@@ -1,0 +1,261 @@
+"""Synthetic chat and agent conversations, seeded and deterministic, in the OpenAI message shape.
+
+Every task carries the tools it may use (OpenAI definitions), the messages of a correct solution
+(with thinking traces, tool calls, tool results) and a checker for the final answer, so the same
+generator feeds SFT data and held-out evaluation. The tools really run: a calculator, key-value
+notes and a small virtual file system, all in memory.
+
+Families: `arith` (plain answers with thinking), `calc` (multi-step calculator use), `notes`,
+`files` (virtual file system), `recall` (an early instruction or fact that must still hold after
+many tool results). Seeds decide everything; training, validation and test draw disjoint seeds.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("arith", "calc", "notes", "files", "recall")
+# Disjoint seed ranges per split: training never sees a validation or test conversation.
+SPLIT_SEEDS = {"train": 0, "val": 10_000_000, "test": 20_000_000}
+
+WORDS = ("apple river stone cloud maple tiger piano orbit candle harbor lemon violet falcon meadow copper "
+         "silver garden rocket winter summer forest island pepper castle bridge planet").split()
+
+
+def _tool(name: str, description: str, params: dict[str, str], required: list[str] | None = None) -> dict:
+    props = {k: {"type": t} for k, t in params.items()}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": props, "required": required if required is not None else list(params)}}}
+
+
+CALCULATOR = _tool("calculator", "Evaluate an arithmetic expression with + - * / and parentheses.",
+                   {"expression": "string"})
+NOTE_SET = _tool("note_set", "Store a value under a key.", {"key": "string", "value": "string"})
+NOTE_GET = _tool("note_get", "Read the value stored under a key.", {"key": "string"})
+LIST_DIR = _tool("list_dir", "List the entries of a directory.", {"path": "string"})
+READ_FILE = _tool("read_file", "Read a text file.", {"path": "string"})
+WRITE_FILE = _tool("write_file", "Write a text file.", {"path": "string", "content": "string"})
+
+
+# -- the tools ------------------------------------------------------------------------------------------
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.USub: operator.neg}
+
+
+def calculate(expression: str) -> str:
+    """Safe arithmetic: numbers, + - * /, unary minus and parentheses; anything else is an error."""
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError("unsupported expression")
+    try:
+        value = ev(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError) as exc:
+        return f"error: {exc}"
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+@dataclass
+class World:
+    """The state the tools act on: notes and a virtual file system (path -> text)."""
+
+    notes: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def call(self, name: str, args: dict[str, Any]) -> str:
+        try:
+            if name == "calculator":
+                return calculate(str(args["expression"]))
+            if name == "note_set":
+                self.notes[str(args["key"])] = str(args["value"])
+                return "ok"
+            if name == "note_get":
+                return self.notes.get(str(args["key"]), "error: no such key")
+            if name == "list_dir":
+                prefix = str(args["path"]).rstrip("/") + "/"
+                names = sorted({p[len(prefix):].split("/")[0] for p in self.files if p.startswith(prefix)})
+                return "\n".join(names) if names else "error: no such directory"
+            if name == "read_file":
+                return self.files.get(str(args["path"]), "error: no such file")
+            if name == "write_file":
+                self.files[str(args["path"])] = str(args["content"])
+                return "ok"
+        except KeyError as exc:
+            return f"error: missing argument {exc}"
+        return f"error: unknown tool {name}"
+
+
+@dataclass
+class Task:
+    family: str
+    seed: int
+    tools: list[dict]
+    messages: list[dict]                 # a correct solution, ending with the final assistant answer
+    answer: str                          # what the final answer must contain
+    check: Callable[[str], bool] = field(repr=False, default=lambda text: False)
+    world: World = field(default_factory=World)
+    thinking: bool = True
+
+    @property
+    def prompt_messages(self) -> list[dict]:
+        """The messages before the first assistant turn (what an agent is given)."""
+        first = next(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
+        return self.messages[:first]
+
+
+def _call(name: str, **args: Any) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+class _Builder:
+    """Builds a solution while running the tools for real, so every tool result is true."""
+
+    def __init__(self, world: World, thinking: bool) -> None:
+        self.world, self.thinking = world, thinking
+        self.messages: list[dict] = []
+
+    def user(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+
+    def system(self, text: str) -> None:
+        self.messages.append({"role": "system", "content": text})
+
+    def act(self, thought: str, name: str, **args: Any) -> str:
+        msg = {"role": "assistant", "content": "", "tool_calls": [_call(name, **args)]}
+        if self.thinking:
+            msg["reasoning_content"] = thought
+        self.messages.append(msg)
+        result = self.world.call(name, args)
+        self.messages.append({"role": "tool", "content": result})
+        return result
+
+    def answer(self, thought: str, text: str) -> None:
+        msg = {"role": "assistant", "content": text}
+        if self.thinking:
+            msg["reasoning_content"] = thought
+        self.messages.append(msg)
+
+
+def _arith(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
+    kind = rng.choice(["add", "mul", "reverse", "count", "sort", "max"])
+    if kind in ("add", "mul"):
+        x, y = rng.randint(2, 99), rng.randint(2, 99)
+        sym, val = ("+", x + y) if kind == "add" else ("*", x * y)
+        b.user(rng.choice(["What is {} {} {}?", "Compute {} {} {}.", "{} {} {} = ?"]).format(x, sym, y))
+        b.answer(f"{x} {sym} {y} = {val}.", f"{x} {sym} {y} = {val}.")
+        return str(val), []
+    word = rng.choice(WORDS)
+    if kind == "reverse":
+        b.user(f"Reverse the word '{word}'.")
+        b.answer(f"Letters of {word}: {' '.join(word)}. Backwards: {' '.join(word[::-1])}.", word[::-1])
+        return word[::-1], []
+    if kind == "count":
+        letter = rng.choice(sorted(set(word)))
+        n = word.count(letter)
+        b.user(f"How many times does the letter '{letter}' appear in '{word}'?")
+        b.answer(f"Letters of {word}: {' '.join(word)}. '{letter}' appears {n} time(s).", f"{n}")
+        return str(n), []
+    nums = [rng.randint(1, 99) for _ in range(rng.randint(3, 6))]
+    if kind == "sort":
+        b.user(f"Sort these numbers in increasing order: {', '.join(map(str, nums))}.")
+        out = ", ".join(map(str, sorted(nums)))
+        b.answer(f"Smallest first: {out}.", out)
+        return out, []
+    b.user(f"Which is the largest of {', '.join(map(str, nums))}?")
+    b.answer(f"Compare them one by one; the largest is {max(nums)}.", str(max(nums)))
+    return str(max(nums)), []
+
+
+def _calc(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
+    a, c, d = rng.randint(11, 999), rng.randint(2, 99), rng.randint(2, 999)
+    op1, op2 = rng.choice("+-*"), rng.choice("+-")
+    b.user(rng.choice(["Use the calculator to find ({} {} {}) {} {}.", "What is ({} {} {}) {} {}? Use the tool."])
+           .format(a, op1, c, op2, d))
+    first = b.act(f"First compute {a} {op1} {c} with the calculator.", "calculator", expression=f"{a} {op1} {c}")
+    final = b.act(f"{a} {op1} {c} = {first}. Now {first} {op2} {d}.", "calculator", expression=f"{first} {op2} {d}")
+    b.answer(f"The calculator gave {final}.", f"The result is {final}.")
+    return final, [CALCULATOR]
+
+
+def _notes(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
+    key = rng.choice(["room", "code", "colour", "city", "pet", "project"])
+    value = rng.choice(WORDS) + str(rng.randint(1, 99))
+    b.user(f"Save the {key} '{value}' in my notes under '{key}', then read it back to confirm.")
+    b.act(f"Store {value} under {key}.", "note_set", key=key, value=value)
+    got = b.act("Now read it back.", "note_get", key=key)
+    b.answer(f"The note reads {got}, as stored.", f"Saved: {key} = {got}.")
+    return value, [NOTE_SET, NOTE_GET]
+
+
+def _files(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
+    names = rng.sample(WORDS, 4)
+    secret = rng.choice(names)
+    target = rng.choice([n for n in names if n != secret])
+    for n in names:
+        b.world.files[f"/docs/{n}.txt"] = f"{n} notes: " + ("the key is " + str(rng.randint(100, 999))
+                                                            if n == secret else f"nothing about keys, see {target}")
+    b.user("One file in /docs mentions a key. Find it and tell me the key.")
+    listing = b.act("List /docs first.", "list_dir", path="/docs")
+    files = listing.split("\n")
+    seen = ""
+    for name in files:
+        text = b.act(f"Read {name}.", "read_file", path=f"/docs/{name}")
+        if "the key is" in text:
+            seen = text.split("the key is ")[1]
+            break
+    b.answer(f"The key is in {secret}.txt: {seen}.", f"The key is {seen} (in /docs/{secret}.txt).")
+    return seen, [LIST_DIR, READ_FILE]
+
+
+def _recall(rng: random.Random, b: _Builder, steps: int | None = None) -> tuple[str, list[dict]]:
+    steps = steps if steps is not None else rng.choice([2, 4, 8])
+    rule, check_word = rng.choice([("End every final answer with the word DONE.", "DONE"),
+                                   ("Always mention the code word {} in your final answer.", None)])
+    code = rng.choice(WORDS).upper()
+    rule = rule.format(code)
+    marker = check_word or code
+    b.system(rule)
+    nums = [rng.randint(1, 50) for _ in range(steps + 1)]
+    b.user(f"Add these numbers one at a time with the calculator: {', '.join(map(str, nums))}.")
+    total = str(nums[0])
+    for x in nums[1:]:
+        total = b.act(f"Add {x} to {total}.", "calculator", expression=f"{total} + {x}")
+    text = f"The total is {total}. {marker}" if check_word else f"The total is {total} ({marker})."
+    b.answer(f"The total is {total}; the system asks me to include {marker}.", text)
+    return f"{total}|{marker}", [CALCULATOR]
+
+
+_FAMILY = {"arith": _arith, "calc": _calc, "notes": _notes, "files": _files, "recall": _recall}
+
+
+def make_task(family: str, seed: int, thinking: bool | None = None, **options: Any) -> Task:
+    """One task of `family` from `seed`; `thinking` None: decided by the seed (half on, half off)."""
+    if family not in _FAMILY:
+        raise ValueError(f"unknown family {family!r}; choose from {list(FAMILIES)}")
+    rng = random.Random(f"{family}:{seed}")
+    thinking = rng.random() < 0.5 if thinking is None else thinking
+    world = World()
+    builder = _Builder(world, thinking)
+    answer, tools = _FAMILY[family](rng, builder, **options)
+    parts = answer.split("|")
+    return Task(family, seed, tools, builder.messages, answer,
+                check=lambda text: all(p in text for p in parts), world=world, thinking=thinking)
+
+
+def tasks(split: str, count: int, families: tuple[str, ...] = FAMILIES) -> list[Task]:
+    """`count` tasks of `split` cycling through `families`; seeds from the split's own range."""
+    if split not in SPLIT_SEEDS:
+        raise ValueError(f"unknown split {split!r}; choose from {list(SPLIT_SEEDS)}")
+    base = SPLIT_SEEDS[split]
+    return [make_task(families[i % len(families)], base + i) for i in range(count)]
