@@ -9,6 +9,7 @@
     clover data build --out DIR                                    offline corpus, tokenizer, token shards
     clover train --data DIR --out RUN                              AR / diffusion / SFT training, resumable
     clover plot RUN...                                             loss curves as PNG
+    clover eval bpb|match|tasks                                    held-out evaluations for the model card
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from clover.chat import ChatFormatError
 from clover.checkpoint import CheckpointError, convert_transformers_checkpoint, load_checkpoint, save_checkpoint
 from clover.cli_generate import add_chat_parser, add_generate_parser
-from clover.cli_train import add_data_parser, add_plot_parser, add_train_parser
+from clover.cli_train import add_data_parser, add_eval_parser, add_plot_parser, add_train_parser
 from clover.config import PRESETS, CloverConfig, ConfigError
 from clover.model import CloverForCausalLM
 from clover.tokenizer import Tokenizer, TokenizerError, stdlib_texts
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_parser(sub)
     add_train_parser(sub)
     add_plot_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 

@@ -146,3 +146,60 @@ def add_plot_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", default="curves.png")
     p.set_defaults(func=cmd_plot)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from clover import evaluate
+    from clover.cli_generate import load_for_generation
+
+    loaded = load_for_generation(args.model, "float32", "cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    if args.eval_command == "bpb":
+        result = {"evaluation": "bits_per_byte", "results": [
+            evaluate.bits_per_byte(model, tok, args.data, kind, args.split, args.window, args.max_bytes)
+            for kind in args.kinds.split(",")]}
+    elif args.eval_command == "match":
+        result = {"evaluation": "continuation_match", **evaluate.continuation_match(
+            model, tok, args.data, args.prompts, args.new_tokens, tuple(map(float, args.thresholds.split(","))),
+            args.block_size, args.batch)}
+    else:
+        runs = [evaluate.agent_tasks(model, tok, args.count, thinking, args.algorithm, args.threshold)
+                for thinking in ([True, False] if args.thinking == "both" else [args.thinking == "on"])]
+        result = {"evaluation": "agent_tasks", "runs": runs}
+    result["model"] = str(args.model or "shipped")
+    evaluate.dump(result, args.out)
+    summary = {k: v for k, v in result.items() if k != "runs"}
+    if "runs" in result:
+        summary["runs"] = [{k: v for k, v in r.items() if k != "outcomes"} for r in result["runs"]]
+    print(json.dumps(summary))
+    return 0
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="held-out evaluations of a model (bits per byte, continuation match, agent tasks)")
+    esub = p.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
+    for name, helptext in (("bpb", "bits per byte on held-out code and English, next to gzip -9 and xz -9"),
+                           ("match", "held-out code continuations: ar vs block diffusion, per-token match and TPF"),
+                           ("tasks", "held-out synthetic agent tasks through template, engine, parser and tools")):
+        e = esub.add_parser(name, help=helptext, description=helptext + ".")
+        e.add_argument("--model", help="checkpoint (default: the shipped model)")
+        e.add_argument("--out", help="write the full result as JSON here")
+        if name != "tasks":
+            e.add_argument("--data", required=True, help="directory from `clover data build`")
+        if name == "bpb":
+            e.add_argument("--kinds", default="code,english")
+            e.add_argument("--split", default="test", choices=["val", "test"])
+            e.add_argument("--window", type=int, default=512)
+            e.add_argument("--max-bytes", type=int, help="evaluate at most this many bytes per kind")
+        elif name == "match":
+            e.add_argument("--prompts", type=int, default=200)
+            e.add_argument("--new-tokens", type=int, default=64)
+            e.add_argument("--thresholds", default="0.7,0.9,0.95")
+            e.add_argument("--block-size", type=int)
+            e.add_argument("--batch", type=int, default=16)
+        else:
+            e.add_argument("--count", type=int, default=100)
+            e.add_argument("--thinking", default="both", choices=["on", "off", "both"])
+            e.add_argument("--algorithm", default="low_confidence", choices=["low_confidence", "ar"])
+            e.add_argument("--threshold", type=float, default=0.95)
+        e.set_defaults(func=cmd_eval)

@@ -110,10 +110,14 @@ def causal_conv(u: torch.Tensor, ring: torch.Tensor, weight: torch.Tensor) -> to
     """Depthwise causal conv over [ring; u] (pre-activation). u [N,T,Q]; ring [N,W-1,Q]; weight [Q,W].
 
     out_t = sum_j weight[:, j] * x_{t-(W-1)+j}: weight[:, W-1] multiplies the current row.
-    Written as windows times taps: for W = 4 this beats F.conv1d on CPU at every length.
+    Written as W shifted products: for W = 4 this beats F.conv1d on CPU, forward and backward.
     """
     x = torch.cat([ring.to(u.dtype), u], dim=1)                                 # [N,W-1+T,Q]
-    return (x.unfold(1, weight.shape[1], 1) * weight).sum(-1)                   # [N,T,Q,W] -> [N,T,Q]
+    t_len, width = u.shape[1], weight.shape[1]
+    out = x[:, width - 1:] * weight[:, width - 1]
+    for j in range(width - 1):
+        out = out + x[:, j: j + t_len] * weight[:, j]
+    return out                                                                  # [N,T,Q]
 
 
 def right_conv(u: torch.Tensor, lengths: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -121,9 +125,13 @@ def right_conv(u: torch.Tensor, lengths: torch.Tensor, right: torch.Tensor) -> t
 
     u [N,T,Q]; lengths [N]; right [Q,W-1].
     """
-    u = u * valid_mask(lengths, u.shape[1])[..., None].to(u.dtype)
-    x = F.pad(u[:, 1:], (0, 0, 0, right.shape[1]))                            # rows t+1 .. [N,T-1+W-1,Q]
-    return (x.unfold(1, right.shape[1], 1)[:, : u.shape[1]] * right).sum(-1)   # [N,T,Q]
+    t_len = u.shape[1]
+    u = u * valid_mask(lengths, t_len)[..., None].to(u.dtype)
+    x = F.pad(u, (0, 0, 0, right.shape[1]))                                     # [N,T+W-1,Q]
+    out = x[:, 1: 1 + t_len] * right[:, 0]
+    for d in range(2, right.shape[1] + 1):
+        out = out + x[:, d: d + t_len] * right[:, d - 1]
+    return out
 
 
 def next_ring(ring: torch.Tensor, u: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

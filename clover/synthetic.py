@@ -104,8 +104,13 @@ class Task:
     messages: list[dict]                 # a correct solution, ending with the final assistant answer
     answer: str                          # what the final answer must contain
     check: Callable[[str], bool] = field(repr=False, default=lambda text: False)
-    world: World = field(default_factory=World)
+    world: World = field(default_factory=World)      # the state after the reference solution
     thinking: bool = True
+    initial_files: dict[str, str] = field(default_factory=dict)
+
+    def fresh_world(self) -> World:
+        """The tools' state as the task starts (for an agent to act on)."""
+        return World(files=dict(self.initial_files))
 
     @property
     def prompt_messages(self) -> list[dict]:
@@ -124,6 +129,7 @@ class _Builder:
     def __init__(self, world: World, thinking: bool) -> None:
         self.world, self.thinking = world, thinking
         self.messages: list[dict] = []
+        self.initial_files: dict[str, str] | None = None  # the file system before the first action
 
     def user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
@@ -132,6 +138,8 @@ class _Builder:
         self.messages.append({"role": "system", "content": text})
 
     def act(self, thought: str, name: str, **args: Any) -> str:
+        if self.initial_files is None:
+            self.initial_files = dict(self.world.files)
         msg = {"role": "assistant", "content": "", "tool_calls": [_call(name, **args)]}
         if self.thinking:
             msg["reasoning_content"] = thought
@@ -250,7 +258,8 @@ def make_task(family: str, seed: int, thinking: bool | None = None, **options: A
     answer, tools = _FAMILY[family](rng, builder, **options)
     parts = answer.split("|")
     return Task(family, seed, tools, builder.messages, answer,
-                check=lambda text: all(p in text for p in parts), world=world, thinking=thinking)
+                check=lambda text: all(p in text for p in parts), world=world, thinking=thinking,
+                initial_files=builder.initial_files if builder.initial_files is not None else dict(world.files))
 
 
 def tasks(split: str, count: int, families: tuple[str, ...] = FAMILIES) -> list[Task]:
