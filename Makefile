@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_MODEL := runs/demo-tiny-random
 
-.PHONY: setup demo test test-slow lint bench clean
+.PHONY: setup demo test test-slow lint bench model clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ lint: setup
 bench: setup
 	$(BIN)/python benchmarks/forward.py
 	$(BIN)/python benchmarks/decode.py
+
+# Rebuild the shipped model from scratch (about 1.5 hours on 2 cores); rerun to resume after an interruption.
+model: setup
+	scripts/make_model.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

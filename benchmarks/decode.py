@@ -24,6 +24,7 @@ from clover.config import CloverConfig
 from clover.engine import Engine
 from clover.model import CloverForCausalLM
 from clover.sampling import SamplingParams
+from clover.testing import transformers_twin
 
 
 def _model(path: str | None) -> tuple[CloverForCausalLM, str]:
@@ -47,17 +48,6 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> di
             "wall_s": wall, "tokens": tokens}
 
 
-def _transformers(model: CloverForCausalLM):
-    try:
-        import transformers
-    except ImportError:
-        return None
-    fields = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "block_size", "mask_token_id")}
-    ref = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**fields)).eval()
-    ref.load_state_dict(model.state_dict(), strict=False)
-    return ref
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint (default: the shipped model, else the tiny preset at random)")
@@ -72,7 +62,7 @@ def main() -> None:
         args.prompt_lengths, args.batches, args.block_sizes = "64", "1", "32"
     model, source = _model(args.model)
     engine = Engine(model)
-    ref = _transformers(model)
+    ref = transformers_twin(model)
     conditions = {
         "date": datetime.date.today().isoformat(), "machine": platform.machine(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "device": "cpu", "dtype": "float32", "model": source,

@@ -23,6 +23,7 @@ import torch
 
 from clover.config import CloverConfig
 from clover.model import CloverForCausalLM
+from clover.testing import transformers_twin
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -32,17 +33,6 @@ def _median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _transformers_model(model: CloverForCausalLM):
-    try:
-        import transformers
-    except ImportError:
-        return None
-    fields = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "block_size", "mask_token_id")}
-    ref = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**fields)).eval()
-    ref.load_state_dict(model.state_dict(), strict=False)
-    return ref
 
 
 @torch.inference_mode()
@@ -85,7 +75,7 @@ def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int) -> dic
               "clover_prefill_ms_per_token": 1e3 * prefill / prompt_len, "clover_preview_ms": 1e3 * preview,
               "clover_commit_ms": 1e3 * commit, "clover_ar_step_ms": 1e3 * ar_step}
 
-    ref = _transformers_model(model)
+    ref = transformers_twin(model)
     if ref is not None:
         ref(prompt, logits_to_keep=1)
         ref_prefill = _median_time(lambda: ref(prompt, use_cache=True, logits_to_keep=1), repeats)

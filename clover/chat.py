@@ -12,12 +12,13 @@ that a rendered conversation extends its own generation prompts; earlier turns d
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -176,6 +177,11 @@ def validate_tools(tools: list[dict] | None) -> list[dict]:
     return tools
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str) -> Template:
+    return _ENV.from_string(template)
+
+
 def render_chat(
     template: str, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
     enable_thinking: bool = True, **extra: Any,
@@ -184,7 +190,7 @@ def render_chat(
     if not messages:
         raise ChatFormatError("messages is empty")
     try:
-        return _ENV.from_string(template).render(
+        return _compiled(template).render(
             messages=_normalise_messages(messages), tools=validate_tools(tools),
             add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **extra,
         )

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from clover.config import CloverConfig
+from clover.model import CloverForCausalLM
+
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0, what: str = "") -> None:
     """Fail with the max abs error, its position and the tolerance when |actual - expected| > atol + rtol |expected|."""
@@ -20,3 +23,22 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
             f"{what}: max abs error {float(err.max()):.3e} at flat index {worst} "
             f"(got {float(a.reshape(-1)[worst]):.6g}, expected {float(e.reshape(-1)[worst]):.6g}); atol {atol:g}, rtol {rtol:g}"
         )
+
+
+def transformers_config(config: CloverConfig) -> object:
+    """transformers' Qwen3_5MoeTextConfig with the backbone fields of `config`."""
+    import transformers
+
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "block_size", "mask_token_id")}
+    return transformers.Qwen3_5MoeTextConfig(**fields)
+
+
+def transformers_twin(model: CloverForCausalLM) -> object | None:
+    """transformers' Qwen3_5MoeForCausalLM with the same backbone weights, or None without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    twin = transformers.Qwen3_5MoeForCausalLM(transformers_config(model.config)).eval()
+    twin.load_state_dict(model.state_dict(), strict=False)
+    return twin

@@ -5,7 +5,7 @@ import torch
 
 from clover.config import CloverConfig
 from clover.model import CloverForCausalLM
-from clover.testing import assert_close
+from clover.testing import assert_close, transformers_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,8 +24,7 @@ CONFIGS = {
 
 def reference_model(config: CloverConfig):
     """transformers' model with our config's fields and every parameter randomised."""
-    fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "block_size", "mask_token_id")}
-    ref = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**fields)).eval()
+    ref = transformers.Qwen3_5MoeForCausalLM(transformers_config(config)).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith(("norm.weight", "A_log", "dt_bias")):  # constant at init: move them off it
