@@ -282,8 +282,9 @@ def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
     return best
 
 
-def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool) -> ParsedOutput:
-    """Parse `text`; when not final, keep back what a later piece could still change."""
+def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool, calls: bool = True) -> ParsedOutput:
+    """Parse `text`; when not final, keep back what a later piece could still change. With `calls`
+    False, tool-call markup stays in the content (tool_choice "none")."""
     errors: list[str] = []
     reasoning = None
     rest = text
@@ -300,12 +301,12 @@ def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool) -> P
         reasoning = reasoning.strip() if final or THINK_CLOSE in body else reasoning.lstrip()
         if not final and THINK_CLOSE not in body:
             reasoning = reasoning.rstrip()  # trailing whitespace waits: it may end the reasoning
-    parts, calls = [], []
+    parts, found = [], []
     while True:
-        start = rest.find(CALL_OPEN)
+        start = rest.find(CALL_OPEN) if calls else -1
         if start < 0:
             tail = rest
-            if not final:
+            if not final and calls:
                 tail = tail[: len(tail) - _partial_tag(tail, (CALL_OPEN,))]
             parts.append(tail)
             break
@@ -318,16 +319,17 @@ def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool) -> P
         call, errs = parse_tool_call(rest[start + len(CALL_OPEN): end], tools)
         errors.extend(errs)
         if call is not None:
-            calls.append(call)
+            found.append(call)
         rest = rest[end + len(CALL_CLOSE):]
     content = "".join(parts)
     content = content.strip() if final else content.lstrip().rstrip()
-    return ParsedOutput(reasoning, content, calls, errors)
+    return ParsedOutput(reasoning, content, found, errors)
 
 
-def parse_output(text: str, thinking: bool = True, tools: list[dict] | None = None) -> ParsedOutput:
+def parse_output(text: str, thinking: bool = True, tools: list[dict] | None = None, calls: bool = True
+                 ) -> ParsedOutput:
     """Split a finished assistant output (text after the generation prompt) into its parts."""
-    return _scan(text, thinking, tools, final=True)
+    return _scan(text, thinking, tools, final=True, calls=calls)
 
 
 @dataclass
@@ -342,8 +344,8 @@ class StreamingParser:
     """Feed text pieces as they become final; every delta is safe to show, and the deltas add up to
     exactly `parse_output` of the whole text, wherever the pieces were split."""
 
-    def __init__(self, thinking: bool = True, tools: list[dict] | None = None) -> None:
-        self.thinking, self.tools = thinking, tools
+    def __init__(self, thinking: bool = True, tools: list[dict] | None = None, calls: bool = True) -> None:
+        self.thinking, self.tools, self.calls = thinking, tools, calls
         self.text = ""
         self._sent = ParsedOutput("" if thinking else None, "")
 
@@ -359,10 +361,10 @@ class StreamingParser:
 
     def feed(self, piece: str) -> OutputDelta:
         self.text += piece
-        return self._delta(_scan(self.text, self.thinking, self.tools, final=False))
+        return self._delta(_scan(self.text, self.thinking, self.tools, final=False, calls=self.calls))
 
     def finish(self) -> OutputDelta:
-        final = _scan(self.text, self.thinking, self.tools, final=True)
+        final = _scan(self.text, self.thinking, self.tools, final=True, calls=self.calls)
         d = self._delta(final)
         d.errors = final.errors
         return d

@@ -6,6 +6,7 @@
     clover check   DIR                                             the spec's invariants, measured
     clover generate [PROMPT]                                       decode a prompt (block diffusion or AR)
     clover chat                                                    interactive multi-turn chat
+    clover serve [--port 8000]                                     OpenAI-compatible server
     clover data build --out DIR                                    offline corpus, tokenizer, token shards
     clover train --data DIR --out RUN                              AR / diffusion / SFT training, resumable
     clover plot RUN...                                             loss curves as PNG
@@ -23,7 +24,7 @@ import torch
 
 from clover.chat import ChatFormatError
 from clover.checkpoint import CheckpointError, convert_transformers_checkpoint, load_checkpoint, save_checkpoint
-from clover.cli_generate import add_chat_parser, add_generate_parser
+from clover.cli_generate import add_chat_parser, add_generate_parser, add_serve_parser
 from clover.cli_train import add_data_parser, add_eval_parser, add_plot_parser, add_train_parser
 from clover.config import PRESETS, CloverConfig, ConfigError
 from clover.model import CloverForCausalLM
@@ -159,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_generate_parser(sub)
     add_chat_parser(sub)
+    add_serve_parser(sub)
     add_data_parser(sub)
     add_train_parser(sub)
     add_plot_parser(sub)

@@ -41,7 +41,8 @@ def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the shipped clover-tiny, or "
                                                   "$CLOVER_MODEL)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (default float32; auto: as stored)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
 
@@ -269,3 +270,34 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     _add_model_options(p)
     _add_decoding_options(p)
     p.set_defaults(func=cmd_chat)
+
+
+# -- serve --------------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from clover.server import serve
+
+    serve(args.model, args.host, args.port, args.api_key, args.max_batch_size, args.max_queue, args.dtype,
+          args.device, args.served_model_name)
+    return 0
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with continuous batching",
+        description="Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, "
+                    "/health, /metrics. Extra body fields: algorithm, block_size, threshold, max_accept_per_step, "
+                    "top_k, repetition_penalty, ignore_eos, chat_template_kwargs.enable_thinking.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  clover serve --port 8000\n"
+               "  clover serve --model runs/my-model --host 0.0.0.0 --api-key $KEY --max-batch-size 16",
+    )
+    _add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--served-model-name", help="the model id clients use (default: the directory name)")
+    p.set_defaults(func=cmd_serve)

@@ -63,3 +63,28 @@ class CharTokenizer:
 
     def decode(self, ids):
         return "".join(chr(97 + i) if i < 26 else " " if i == 26 else "#" for i in ids)
+
+
+class TextScriptModel(ScriptedModel):
+    """Autoregressive fake that writes `target` (token ids) after any prompt, then end-of-sequence."""
+
+    def __init__(self, target: list[int], config: CloverConfig) -> None:
+        super().__init__(config=config)
+        self.target = list(target)
+        self.prompt_len: dict[int, int] = {}
+
+    def causal(self, ids, cache, lengths, logits="all", rows=None):
+        rows_l = rows.tolist()
+        starts = cache.lengths[rows_l].tolist()
+        for r, s, n in zip(rows_l, starts, lengths.tolist(), strict=True):
+            if s == 0:
+                self.prompt_len[r] = n
+        cache.lengths[rows_l] += lengths
+        if logits == "none":
+            return None
+        eos = self.config.eos_token_ids[0]
+        out = []
+        for r, s, n in zip(rows_l, starts, lengths.tolist(), strict=True):
+            k = s + n - self.prompt_len[r]
+            out.append(self._logits(self.target[k] if k < len(self.target) else eos, 0.99))
+        return torch.stack(out)

@@ -1,0 +1,317 @@
+"""The OpenAI-compatible server: the real `clover serve` as a subprocess, driven by the openai client,
+plus an in-process server over a scripted model for tool calls."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from fakes import TextScriptModel
+
+from clover.cli import main as cli_main
+from clover.config import CloverConfig
+from clover.server import ServerConfig, build_app
+from clover.tokenizer import Tokenizer
+
+THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url, proc=None, timeout=90):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("srv") / "m"
+    assert cli_main(["init", str(d), "--preset", "debug", "--seed", "3"]) == 0
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "clover.cli", "serve", "--model", str(d), "--port", str(port),
+                             "--served-model-name", "debug", "--max-batch-size", "16", "--max-queue", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    _wait_ready(url, proc)
+    yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_models_and_health(server):
+    url, client = server
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["debug"]
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_chat_thinking_on_and_off(server):
+    _, client = server
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    on = client.chat.completions.create(model="debug", messages=msgs, max_tokens=12, extra_body={"ignore_eos": True})
+    assert on.object == "chat.completion" and on.choices[0].finish_reason == "length"
+    extra = on.choices[0].message.model_extra
+    assert isinstance(extra["reasoning_content"], str) and extra["reasoning"] == extra["reasoning_content"]
+    assert on.usage.completion_tokens == 12 and on.usage.model_extra["nfe"] >= 1 and on.usage.model_extra["tpf"] > 0
+    off = client.chat.completions.create(model="debug", messages=msgs, max_tokens=12, extra_body={**THINK_OFF,
+                                                                                                  "ignore_eos": True})
+    assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
+    assert isinstance(off.choices[0].message.content, str) and len(off.choices[0].message.content) > 0
+
+
+def test_streaming_with_usage_equals_the_plain_reply(server):
+    _, client = server
+    kw = dict(model="debug", messages=[{"role": "user", "content": "Count"}], max_tokens=20,
+              extra_body={**THINK_OFF, "ignore_eos": True, "block_size": 8})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    # at most one chunk per committed block (the parser may hold back trailing whitespace)
+    assert 1 < len(content_chunks) <= chunks[-1].usage.model_extra["blocks"] <= 4
+
+
+def test_completions_plain_and_streamed(server):
+    _, client = server
+    r = client.completions.create(model="debug", prompt="def f(x):", max_tokens=10, extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.usage.completion_tokens == 10
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="debug", prompt="def f(x):", max_tokens=10, stream=True, extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_sixteen_concurrent_streams_equal_each_alone(server):
+    _, client = server
+    prompts = [f"Item {i}: " + "word " * (i % 5) for i in range(16)]
+
+    def run(prompt, stream):
+        kw = dict(model="debug", messages=[{"role": "user", "content": prompt}], max_tokens=16,
+                  extra_body={**THINK_OFF, "ignore_eos": True, "threshold": 0.5})
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+
+    alone = [run(p, False) for p in prompts]
+    results = [None] * 16
+
+    def worker(i):
+        results[i] = run(prompts[i], True)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == alone
+
+
+BAD = [
+    ("not json", b"{bad", 400, None),
+    ("array body", b"[1, 2]", 400, None),
+    ("no messages", {"model": "debug"}, 400, "messages"),
+    ("empty messages", {"messages": []}, 400, "messages"),
+    ("bad role", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ("content number", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("max_tokens string", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}, 400, "max_tokens"),
+    ("max_tokens zero", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("temperature high", {"messages": [{"role": "user", "content": "x"}], "temperature": 9}, 400, "temperature"),
+    ("top_p zero", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ("n too large", {"messages": [{"role": "user", "content": "x"}], "n": 99}, 400, "n"),
+    ("seed negative", {"messages": [{"role": "user", "content": "x"}], "seed": -1}, 400, "seed"),
+    ("stop number", {"messages": [{"role": "user", "content": "x"}], "stop": 5}, 400, "stop"),
+    ("bad algorithm", {"messages": [{"role": "user", "content": "x"}], "algorithm": "beam"}, 400, "algorithm"),
+    ("threshold > 1", {"messages": [{"role": "user", "content": "x"}], "threshold": 3}, 400, "threshold"),
+    ("block size 0", {"messages": [{"role": "user", "content": "x"}], "block_size": 0}, 400, "block_size"),
+    ("tool bad type", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "shell"}]}, 400, "tools.0.type"),
+    ("tool bad schema", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "tools"),
+    ("tool bad name", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "no spaces allowed"}}]}, 400, "tools"),
+    ("tool_choice unknown", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     400, "tool_choice"),
+    ("tool_choice without tools", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("bad tool arguments", {"messages": [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400, "messages"),
+    ("prompt too long", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "messages"),
+    ("max_tokens over context", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, 400, "max_tokens"),
+    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("logprobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("thinking not bool", {"messages": [{"role": "user", "content": "x"}],
+                           "chat_template_kwargs": {"enable_thinking": "yes"}}, 400, "chat_template_kwargs.enable_thinking"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_malformed_and_hostile_inputs_get_the_documented_4xx(server, name, body, status, param):
+    url, _ = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] and err["param"].startswith(param), err
+    assert httpx.get(url + "/health").status_code == 200  # still serving
+
+
+def test_completions_errors_and_unknown_routes(server):
+    url, _ = server
+    assert httpx.post(url + "/v1/completions", json={"prompt": ""}).status_code == 400
+    assert httpx.post(url + "/v1/completions", json={"prompt": ["a", "b"]}).status_code == 400
+    r = httpx.get(url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_a_disconnected_stream_releases_its_capacity(server):
+    url, client = server
+    body = {"model": "debug", "messages": [{"role": "user", "content": "go"}], "max_tokens": 900, "stream": True,
+            "ignore_eos": True, "threshold": 1.0, **THINK_OFF}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for _ in r.iter_lines():
+            break  # read one chunk, then hang up
+    deadline = time.time() + 10
+    while time.time() < deadline and httpx.get(url + "/health").json()["running"]:
+        time.sleep(0.05)
+    assert httpx.get(url + "/health").json()["running"] == 0
+    metrics = httpx.get(url + "/metrics").text
+    assert "clover_requests_aborted_total 1" in metrics or "clover_requests_aborted_total" in metrics
+    t0 = time.time()
+    client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+    assert time.time() - t0 < 10
+
+
+def test_metrics_are_prometheus_text(server):
+    url, _ = server
+    text = httpx.get(url + "/metrics").text
+    for name in ("clover_requests_total", "clover_generation_tokens_total", "clover_nfe_total", "clover_queue_depth",
+                 'clover_request_latency_seconds_bucket{le="+Inf"}', "clover_request_tpf_count",
+                 'clover_http_errors_total{status="400"}'):
+        assert name in text
+
+
+# -- tool calls, over a scripted model -----------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
+CALLS = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n"
+         "2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
+         "</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    import uvicorn
+
+    tok = Tokenizer.train(["The weather in Paris and Rome. I will check the city days."] * 20, vocab_size=300)
+    config = CloverConfig.preset("debug", vocab_size=300, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    model = TextScriptModel(tok.encode(CALLS), config)
+    app = build_app(model, tok, ServerConfig(model_name="scripted"), generation_defaults={"algorithm": "ar"})
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    _wait_ready(url)
+    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_tool_calls_not_streamed(tool_server):
+    r = tool_server.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "weather?"}],
+                                            tools=TOOLS, max_tokens=200, extra_body=THINK_OFF)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I will check."
+    calls = choice.message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_weather"]
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris", "days": 2}, {"city": "Rome"}]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+def test_tool_calls_streamed_in_the_openai_shape(tool_server):
+    chunks = list(tool_server.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, max_tokens=200,
+        stream=True, extra_body=THINK_OFF))
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    flat = [d for ds in deltas for d in ds]
+    assert [d.index for d in flat] == [0, 1] and [d.function.name for d in flat] == ["get_weather"] * 2
+    assert json.loads(flat[0].function.arguments) == {"city": "Paris", "days": 2}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == "I will check."
+
+
+def test_tool_choice_none_leaves_calls_as_text(tool_server):
+    r = tool_server.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "weather?"}],
+                                            tools=TOOLS, tool_choice="none", max_tokens=200, extra_body=THINK_OFF)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+
+
+def test_full_queue_answers_429_and_api_key_is_enforced():
+    import asyncio
+
+    from clover.async_engine import AsyncEngine, QueueFull
+    from clover.engine import Engine
+    from clover.sampling import SamplingParams
+
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    engine = AsyncEngine(Engine(TextScriptModel([5] * 50, config), tok, max_batch_size=1), max_waiting=1)
+
+    async def scenario():
+        params = SamplingParams(max_new_tokens=30, algorithm="ar", ignore_eos=True)
+        first = engine.generate([1, 2], params)
+        second = engine.generate([1, 2], params)
+        third = engine.generate([1, 2], params)
+        await first.__anext__()           # running
+        s = asyncio.ensure_future(second.__anext__())  # queued
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull, match="queue is full"):
+            await third.__anext__()
+        await first.aclose()              # a client leaving frees its place
+        await s
+        await second.aclose()
+
+    engine.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop(timeout=5)
+    assert engine.stats.rejected == 1 and engine.stats.aborted == 2
+
+    from fastapi.testclient import TestClient
+
+    app = build_app(TextScriptModel([5] * 5, config), tok, ServerConfig(model_name="m", api_key="sekrit"))
+    with TestClient(app) as http:
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).json()["error"]["code"] == \
+            "invalid_api_key"
+        assert http.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        assert http.get("/health").status_code == 200  # probes need no key
