@@ -2,7 +2,6 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEMO_MODEL := runs/demo-tiny-random
 
 .PHONY: setup demo test test-slow lint bench model clean
 
@@ -16,12 +15,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-# Until the shipped model exists, the demo builds a `tiny` model with random weights (its text is
-# noise), checks every forward mode and invariant on it, and decodes a prompt showing the steps.
+# The demo: the shipped model (clover/models/clover-tiny) checks its own invariants, continues code
+# with the denoising steps shown, and answers a chat question.
 demo: setup
-	test -f $(DEMO_MODEL)/tokenizer.json || $(BIN)/clover init $(DEMO_MODEL) --preset tiny
-	$(BIN)/clover check $(DEMO_MODEL)
-	$(BIN)/clover generate --model $(DEMO_MODEL) 'def fibonacci(n):' --max-new-tokens 48 --show-steps
+	$(BIN)/clover check clover/models/clover-tiny --dtype float32
+	$(BIN)/clover generate 'def fibonacci(n):' --max-new-tokens 64 --show-steps
+	$(BIN)/clover generate --chat 'What is 12 + 30?' --no-think --max-new-tokens 48
 
 test: setup
 	$(BIN)/ruff check .

@@ -117,6 +117,11 @@ def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         fill(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is as shareable as any file
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)

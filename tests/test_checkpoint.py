@@ -228,3 +228,11 @@ def test_cli_errors_are_one_line_and_exit_non_zero(tmp_path, capsys):
     assert "cannot exceed num_experts" in capsys.readouterr().err
     assert cli_main(["convert", str(tmp_path), str(tmp_path / "y")]) == 1
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_saved_checkpoints_follow_the_umask_not_the_temp_dir_mode(tmp_path, debug_model):
+    save_checkpoint(debug_model, tmp_path / "ck")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (tmp_path / "ck" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
