@@ -41,6 +41,7 @@ def main() -> None:
     stages = {name: _stage(runs / name) for name in ("ar", "diff", "sft") if (runs / name / "log.jsonl").is_file()}
     bpb_ar, bpb_final = load("eval_bpb_ar.json"), load("eval_bpb_final.json")
     match, tasks = load("eval_match.json"), load("eval_tasks.json")
+    parent_match = load("eval_match_ar_parent.json")
     config = json.loads((model_dir / "config.json").read_text())
     lines = [
         "# clover-tiny", "",
@@ -95,8 +96,12 @@ def main() -> None:
                       f"the test split, {match['new_tokens']} new tokens, greedy, block size {match['block_size']}, "
                       f"batch {match['batch']}; per-token agreement with the true continuation:", "",
                   "| decoder | threshold | match | match / AR | TPF | tokens/s |", "|---|---|---|---|---|---|"]
+        if parent_match:
+            r = parent_match["results"][0]
+            lines.append(f"| AR parent, ar (`--model runs/recipe/ar/model`) | - | {r['match']:.3f} ± "
+                         f"{r['match_stderr']:.3f} | - | {r['tpf']:.2f} | {r['tokens_per_s']:.1f} |")
         for r in match["results"]:
-            lines.append(f"| {r['algorithm']} | {r['threshold'] or '-'} | {r['match']:.3f} ± {r['match_stderr']:.3f} | "
+            lines.append(f"| released, {r['algorithm']} | {r['threshold'] or '-'} | {r['match']:.3f} ± {r['match_stderr']:.3f} | "
                          f"{_fmt(r.get('match_vs_ar'), 2)} | {r['tpf']:.2f} | {r['tokens_per_s']:.1f} |")
         lines += ["", "Target at threshold 0.95: match at least 0.9x the AR decoder's, with TPF >= 2."]
     if tasks:
