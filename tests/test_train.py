@@ -222,3 +222,13 @@ def test_split_is_a_stable_hash():
     counts = {s: sum(split_of(n) == s for n in names) for s in SPLITS}
     assert 20 < counts["test"] < 70 and 20 < counts["val"] < 70
     assert split_of("python-stdlib/json/decoder.py") == split_of("python-stdlib/json/decoder.py")
+
+
+def test_bfloat16_training_and_plot(data_dir, tmp_path):
+    run = tmp_path / "bf16"
+    record = train(_cfg(data_dir, run, steps=2, dtype="bfloat16", objective="diffusion", ar_loss_weight=1.0))
+    assert record["step"] == 2 and 0 < record["loss"] < 20
+    from clover.cli import main as cli_main
+
+    assert cli_main(["plot", str(run), "--out", str(tmp_path / "curves.png")]) == 0
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
