@@ -36,7 +36,7 @@ bench: setup
 	$(BIN)/python benchmarks/forward.py
 	$(BIN)/python benchmarks/decode.py
 
-# Rebuild the shipped model from scratch (about an hour on 2 cores); rerun to resume after an interruption.
+# Rebuild the shipped model from scratch (under an hour on 2 cores); rerun to resume after an interruption.
 model: setup
 	scripts/make_model.sh
 
