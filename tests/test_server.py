@@ -315,3 +315,29 @@ def test_full_queue_answers_429_and_api_key_is_enforced():
             "invalid_api_key"
         assert http.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert http.get("/health").status_code == 200  # probes need no key
+
+
+def test_sigterm_lets_an_in_flight_stream_finish(tmp_path):
+    import signal
+
+    d = tmp_path / "m"
+    assert cli_main(["init", str(d), "--preset", "debug", "--seed", "4"]) == 0
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "clover.cli", "serve", "--model", str(d), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    _wait_ready(url, proc)
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 120, "stream": True, "ignore_eos": True,
+            "threshold": 1.0, **THINK_OFF}
+    lines = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line and not lines:
+                proc.send_signal(signal.SIGTERM)  # shut down while the request is being decoded
+            if line:
+                lines.append(line)
+    assert lines[-1] == "data: [DONE]"
+    finals = [json.loads(x[6:]) for x in lines[:-1]]
+    assert finals[-1]["choices"][0]["finish_reason"] == "length"
+    # uvicorn re-raises the signal after its graceful shutdown: the process ends by SIGTERM, not by a hang
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
