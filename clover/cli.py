@@ -11,6 +11,7 @@
     clover train --data DIR --out RUN                              AR / diffusion / SFT training, resumable
     clover plot RUN...                                             loss curves as PNG
     clover eval bpb|match|tasks                                    held-out evaluations for the model card
+    clover bench serve --endpoint URL                              serving benchmark (TTFT, TPOT, ITL, E2EL)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from clover.chat import ChatFormatError
 from clover.checkpoint import CheckpointError, convert_transformers_checkpoint, load_checkpoint, save_checkpoint
 from clover.cli_generate import add_chat_parser, add_generate_parser, add_serve_parser
-from clover.cli_train import add_data_parser, add_eval_parser, add_plot_parser, add_train_parser
+from clover.cli_train import add_bench_parser, add_data_parser, add_eval_parser, add_plot_parser, add_train_parser
 from clover.config import PRESETS, CloverConfig, ConfigError
 from clover.model import CloverForCausalLM
 from clover.tokenizer import Tokenizer, TokenizerError, stdlib_texts
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_plot_parser(sub)
     add_eval_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

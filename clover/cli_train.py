@@ -203,3 +203,49 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
             e.add_argument("--algorithm", default="low_confidence", choices=["low_confidence", "ar"])
             e.add_argument("--threshold", type=float, default=0.95)
         e.set_defaults(func=cmd_eval)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from clover.bench import bench_serve
+
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    result = bench_serve(args.endpoint, args.model, args.num_prompts, args.input_len, args.output_len, args.concurrency,
+                         args.rate, args.warmup, args.prompts_file, args.api_key, extra,
+                         args.ttft_limit_ms / 1e3 if args.ttft_limit_ms else None,
+                         args.tpot_limit_ms / 1e3 if args.tpot_limit_ms else None, args.seed)
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    summary = {k: v for k, v in result.items() if k != "per_request"}
+    print(json.dumps(summary))
+    return 0 if result["succeeded"] else 1
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="serving benchmark against an OpenAI-compatible endpoint")
+    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    b = bsub.add_parser(
+        "serve", help="TTFT, TPOT, ITL, E2EL, throughput and goodput of an OpenAI-compatible endpoint",
+        description="Stream chat completions to ENDPOINT at a fixed concurrency or a Poisson rate and report TTFT, "
+                    "TPOT, ITL (and raw chunk gaps), E2EL with mean / median / p90 / p99, request and token "
+                    "throughput, goodput under --ttft-limit-ms / --tpot-limit-ms, and NFE / TPF from usage when the "
+                    "server reports them, as JSON.",
+        epilog="example: clover bench serve --endpoint http://127.0.0.1:8000/v1 --concurrency 8 --num-prompts 32 "
+               "--output-len 64 --extra-body '{\"threshold\": 0.9}'",
+    )
+    b.add_argument("--endpoint", required=True, help="base URL ending in /v1")
+    b.add_argument("--model", help="model id (default: the first of /v1/models)")
+    b.add_argument("--concurrency", type=int, help="requests in flight at once")
+    b.add_argument("--rate", type=float, help="Poisson arrival rate, requests per second")
+    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument("--input-len", type=int, default=64, help="words per random prompt")
+    b.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    b.add_argument("--prompts-file", help="one prompt per line instead of random prompts")
+    b.add_argument("--warmup", type=int, default=2, help="requests sent first and left out")
+    b.add_argument("--ttft-limit-ms", type=float)
+    b.add_argument("--tpot-limit-ms", type=float)
+    b.add_argument("--api-key")
+    b.add_argument("--extra-body", help="JSON merged into every request (e.g. Clover's algorithm, threshold)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", help="write the full result (with per-request records) here")
+    b.set_defaults(func=cmd_bench_serve)

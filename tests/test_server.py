@@ -341,3 +341,30 @@ def test_sigterm_lets_an_in_flight_stream_finish(tmp_path):
     assert finals[-1]["choices"][0]["finish_reason"] == "length"
     # uvicorn re-raises the signal after its graceful shutdown: the process ends by SIGTERM, not by a hang
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+
+
+def test_bench_serve_reports_latency_percentiles_and_throughput(server):
+    from clover.bench import bench_serve
+
+    url, _ = server
+    for concurrency in (1, 4):
+        r = bench_serve(url + "/v1", None, 6, 8, 12, concurrency, None, 1, None, None,
+                        {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}, 60.0, 1.0)
+        assert r["model"] == "debug" and r["succeeded"] == 6 and r["failed"] == 0
+        assert r["total_output_tokens"] == 6 * 12 and r["output_token_throughput"] > 0
+        for key in ("ttft_s", "tpot_s", "itl_s", "chunk_gap_s", "e2el_s"):
+            assert set(r[key]) == {"mean", "median", "p90", "p99"} and r[key]["median"] is not None
+        assert r["ttft_s"]["median"] <= r["e2el_s"]["median"] and r["goodput"] <= r["request_throughput"]
+        assert r["tpf"] > 0 and r["nfe_total"] >= 6
+    bad = bench_serve(url + "/v1", "nope", 2, 4, 4, 2, None, 0, None, None, {}, None, None)
+    assert bad["failed"] == 2 and "HTTP 404" in bad["errors"][0]
+
+
+def test_itl_split_and_percentiles():
+    from clover.bench import percentiles, split_itl
+
+    # two gaps; the chunks after them carry 3 and 1 tokens of the 4 left (by their text share)
+    assert split_itl([0.3, 0.2], [30, 10], 4) == pytest.approx([0.1, 0.1, 0.1, 0.2], abs=1e-12)
+    p = percentiles([float(i) for i in range(1, 101)])
+    assert p["median"] == 50.5 and p["p90"] == 90.0 and p["p99"] == 99.0 and p["mean"] == 50.5
+    assert percentiles([])["mean"] is None
