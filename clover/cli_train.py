@@ -148,6 +148,23 @@ def add_plot_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plot)
 
 
+def cmd_eval_agent(args: argparse.Namespace) -> int:
+    from clover.harness import HarnessConfig, run_harness
+
+    conditions = [json.loads(c) for c in args.condition] or [{}]
+    if not all(isinstance(c, dict) for c in conditions):
+        raise ValueError("each --condition must be a JSON object of extra body fields")
+    cfg = HarnessConfig(endpoint=args.endpoint, model=args.model, suites=tuple(args.suite.split(",")),
+                        tasks_per_suite=args.tasks, runs=args.runs, conditions=conditions, step_limit=args.step_limit,
+                        task_timeout_s=args.task_timeout, max_tokens=args.max_tokens, thinking=args.thinking,
+                        api_key=args.api_key)
+    summary = run_harness(cfg, args.out, resume=args.resume)
+    print(json.dumps({c: {k: v for k, v in s.items() if k in ("success_mean", "reasons", "total_s")}
+                      for c, s in summary.items()}))
+    print(f"report: {Path(args.out) / 'report.md'}", file=sys.stderr)
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from clover import evaluate
     from clover.cli_generate import load_for_generation
@@ -178,6 +195,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="held-out evaluations of a model (bits per byte, continuation match, agent tasks)")
     esub = p.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
+    a = esub.add_parser(
+        "agent", help="agent workloads (tools, memory) against any OpenAI-compatible endpoint",
+        description="A fixed agent loop (same prompts, tools, timeouts, step limit and retry policy for every model) "
+                    "over the OpenAI chat API with tools. Writes metadata, transcripts, results.jsonl, summary.json, "
+                    "report.md and PNG plots to --out; --resume continues an interrupted run.",
+        epilog="example: clover eval agent --endpoint http://127.0.0.1:8000/v1 --model clover-tiny --runs 3 "
+               "--condition '{\"algorithm\": \"ar\"}' --condition '{\"algorithm\": \"low_confidence\", "
+               "\"block_size\": 32}' --out reports/agent",
+    )
+    a.add_argument("--endpoint", required=True, help="base URL ending in /v1")
+    a.add_argument("--model", required=True)
+    a.add_argument("--suite", default="tools,memory")
+    a.add_argument("--tasks", type=int, default=10, help="tasks per suite")
+    a.add_argument("--runs", type=int, default=3)
+    a.add_argument("--condition", action="append", default=[], help="JSON extra body fields (repeatable: a sweep)")
+    a.add_argument("--step-limit", type=int, default=40)
+    a.add_argument("--task-timeout", type=float, default=300.0, help="seconds per task")
+    a.add_argument("--max-tokens", type=int, default=256)
+    a.add_argument("--thinking", action="store_true", help="thinking on (default off)")
+    a.add_argument("--api-key")
+    a.add_argument("--out", required=True)
+    a.add_argument("--resume", action="store_true")
+    a.set_defaults(func=cmd_eval_agent)
     for name, helptext in (("bpb", "bits per byte on held-out code and English, next to gzip -9 and xz -9"),
                            ("match", "held-out code continuations: ar vs block diffusion, per-token match and TPF"),
                            ("tasks", "held-out synthetic agent tasks through template, engine, parser and tools")):
