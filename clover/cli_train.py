@@ -148,19 +148,40 @@ def add_plot_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plot)
 
 
+def parse_endpoints(urls: list[str], models: list[str], api_key: str | None) -> list:
+    """`--endpoint [NAME=]URL` (repeatable) with one `--model` for all or one per endpoint."""
+    from clover.harness import Endpoint
+
+    if len(models) not in (1, len(urls)):
+        raise ValueError(f"give one --model for all endpoints or one per endpoint ({len(urls)} endpoints, "
+                         f"{len(models)} models)")
+    out = []
+    for i, spec in enumerate(urls):
+        name, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--endpoint {spec!r} is not a URL; use http://HOST:PORT/v1 or NAME=http://HOST:PORT/v1")
+        out.append(Endpoint(url=url, model=models[i % len(models)], name=name, api_key=api_key))
+    return out
+
+
 def cmd_eval_agent(args: argparse.Namespace) -> int:
+    from clover.agent_suites import SUITES
     from clover.harness import HarnessConfig, run_harness
 
-    conditions = [json.loads(c) for c in args.condition] or [{}]
-    if not all(isinstance(c, dict) for c in conditions):
-        raise ValueError("each --condition must be a JSON object of extra body fields")
-    cfg = HarnessConfig(endpoint=args.endpoint, model=args.model, suites=tuple(args.suite.split(",")),
+    try:
+        conditions = [json.loads(c) for c in args.condition] or [{}]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"a --condition is not valid JSON ({exc}); example: '{{\"algorithm\": \"ar\"}}'") from exc
+    suites = tuple(args.suite.split(","))
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)}")
+    cfg = HarnessConfig(endpoints=parse_endpoints(args.endpoint, args.model, args.api_key), suites=suites,
                         tasks_per_suite=args.tasks, runs=args.runs, conditions=conditions, step_limit=args.step_limit,
-                        task_timeout_s=args.task_timeout, max_tokens=args.max_tokens, thinking=args.thinking,
-                        api_key=args.api_key)
+                        task_timeout_s=args.task_timeout, max_tokens=args.max_tokens, thinking=args.thinking)
     summary = run_harness(cfg, args.out, resume=args.resume)
-    print(json.dumps({c: {k: v for k, v in s.items() if k in ("success_mean", "reasons", "total_s")}
-                      for c, s in summary.items()}))
+    print(json.dumps({c: {k: v for k, v in s.items() if k in ("success_mean", "reasons", "tpf", "tokens_per_s")}
+                      | {"total_s_median": s["total_s"]["median"]} for c, s in summary.items()}))
     print(f"report: {Path(args.out) / 'report.md'}", file=sys.stderr)
     return 0
 
@@ -196,18 +217,20 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="held-out evaluations of a model (bits per byte, continuation match, agent tasks)")
     esub = p.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
     a = esub.add_parser(
-        "agent", help="agent workloads (tools, memory) against any OpenAI-compatible endpoint",
+        "agent", help="agent workloads (tools, memory, coding, humaneval) against OpenAI-compatible endpoints",
         description="A fixed agent loop (same prompts, tools, timeouts, step limit and retry policy for every model) "
                     "over the OpenAI chat API with tools. Writes metadata, transcripts, results.jsonl, summary.json, "
-                    "report.md and PNG plots to --out; --resume continues an interrupted run.",
+                    "report.md and PNG plots to --out; --resume continues an interrupted run. Model-written code "
+                    "runs only in a subprocess with time and memory limits in the task's temporary directory.",
         epilog="example: clover eval agent --endpoint http://127.0.0.1:8000/v1 --model clover-tiny --runs 3 "
                "--condition '{\"algorithm\": \"ar\"}' --condition '{\"algorithm\": \"low_confidence\", "
                "\"block_size\": 32}' --out reports/agent",
     )
-    a.add_argument("--endpoint", required=True, help="base URL ending in /v1")
-    a.add_argument("--model", required=True)
-    a.add_argument("--suite", default="tools,memory")
-    a.add_argument("--tasks", type=int, default=10, help="tasks per suite")
+    a.add_argument("--endpoint", action="append", required=True,
+                   help="base URL ending in /v1, optionally NAME=URL (repeatable: endpoints side by side)")
+    a.add_argument("--model", action="append", required=True, help="model name (one for all, or one per endpoint)")
+    a.add_argument("--suite", default="tools,memory", help="comma-separated: tools, memory, coding, humaneval")
+    a.add_argument("--tasks", type=int, default=10, help="tasks per suite (humaneval has 164)")
     a.add_argument("--runs", type=int, default=3)
     a.add_argument("--condition", action="append", default=[], help="JSON extra body fields (repeatable: a sweep)")
     a.add_argument("--step-limit", type=int, default=40)

@@ -1,16 +1,14 @@
-"""`clover eval agent`: a fixed agent loop over any OpenAI-compatible endpoint, following the
+"""`clover eval agent`: a fixed agent loop over any OpenAI-compatible endpoints, following the
 reproducible-evaluation checklist of the seed article (same prompts, tools, timeouts, step limit and
 retry policy for every model; several runs; cold and warm; sweeps; dispersion, not best attempts).
 
-Suites (task families from `clover.synthetic`, test seeds only, never training ones):
-- `tools`:  multi-step calculator, notes and virtual-file-system tasks, plus tasks whose first
-            calculator result is wrong (the tool misbehaves once) and must be noticed;
-- `memory`: an early instruction / fact that must hold after 2, 8 and 32 tool results.
-
-Per step: model time, TTFT (streaming), tokens, tool time, harness overhead. Per task: total time,
-steps, success, termination reason (success, wrong_answer, step_limit, timeout, invalid_tool_call,
-model_error, infrastructure_error), valid-tool-argument rate. Infrastructure failures are retried
-a bounded number of times, labelled, and left out of quality figures. A run directory holds
+The suites (`tools`, `memory`, `coding`, `humaneval`) live in `clover.agent_suites`. Per step the
+loop records model time, TTFT (streamed), tokens, NFE, tool time and harness overhead; per task
+run: total time, steps, success, termination reason (success, wrong_answer, step_limit, timeout,
+invalid_tool_call, model_error, infrastructure_error), valid tool arguments and malformed calls.
+Several endpoints and several conditions (extra body fields: algorithm, block size, threshold)
+run side by side; the first request to each endpoint is labelled cold. Infrastructure failures are
+retried a bounded number of times, labelled, and left out of quality figures. A run directory holds
 metadata.json, one transcript per task run, results.jsonl, summary.json, report.md and PNG plots;
 `--resume` skips the task runs already in results.jsonl.
 """
@@ -25,21 +23,29 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from clover import synthetic
+from clover.agent_suites import Environment, HarnessTask, suite_tasks
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
            "infrastructure_error")
-MEMORY_STEPS = (2, 8, 32)
+
+
+@dataclass
+class Endpoint:
+    url: str                    # base URL ending in /v1
+    model: str
+    name: str = ""              # its label in the report (default: the model name)
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.model
 
 
 @dataclass
 class HarnessConfig:
-    endpoint: str
-    model: str
+    endpoints: list[Endpoint]
     suites: tuple[str, ...] = ("tools", "memory")
     tasks_per_suite: int = 10
     runs: int = 3
@@ -50,73 +56,20 @@ class HarnessConfig:
     max_tokens: int = 256
     infra_retries: int = 2
     thinking: bool = False
-    api_key: str | None = None
 
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("give at least one endpoint")
+        if len({e.name for e in self.endpoints}) != len(self.endpoints):
+            raise ValueError("endpoint names must differ; label them with name=URL")
+        if self.runs < 1 or self.tasks_per_suite < 1 or self.step_limit < 1:
+            raise ValueError("runs, tasks per suite and the step limit must be at least 1")
+        if not all(isinstance(c, dict) for c in self.conditions):
+            raise ValueError("each condition must be a JSON object of extra body fields")
 
-# -- tasks ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class HarnessTask:
-    id: str
-    suite: str
-    task: synthetic.Task
-    faulty_first_call: bool = False   # the first calculator result is wrong and must be noticed
-
-
-def suite_tasks(suite: str, count: int) -> list[HarnessTask]:
-    base = synthetic.SPLIT_SEEDS["test"] + 500_000  # test-range seeds the model card's evaluation does not use
-    out = []
-    if suite == "tools":
-        fams = ("calc", "notes", "files", "calc_faulty")
-        for i in range(count):
-            fam = fams[i % len(fams)]
-            seed = base + i
-            if fam == "calc_faulty":
-                out.append(HarnessTask(f"tools-calc_faulty-{seed}", suite, make_faulty_calc(seed), True))
-            else:
-                out.append(HarnessTask(f"tools-{fam}-{seed}", suite, synthetic.make_task(fam, seed, thinking=False)))
-    elif suite == "memory":
-        for i in range(count):
-            steps = MEMORY_STEPS[i % len(MEMORY_STEPS)]
-            seed = base + 1000 + i
-            out.append(HarnessTask(f"memory-{steps}-{seed}", suite,
-                                   synthetic.make_task("recall", seed, thinking=False, steps=steps)))
-    else:
-        raise ValueError(f"unknown suite {suite!r}; choose from tools, memory")
-    return out
-
-
-def make_faulty_calc(seed: int) -> synthetic.Task:
-    """A calc task whose first calculator answer is off by 1000: the reference solution checks it
-    by recomputing before going on (the harness injects the fault into the real tool)."""
-    task = synthetic.make_task("calc", seed, thinking=False)
-    msgs = [dict(m) for m in task.messages]
-    first_call = next(i for i, m in enumerate(msgs) if m.get("tool_calls"))
-    expr = json.loads(msgs[first_call]["tool_calls"][0]["function"]["arguments"])["expression"]
-    right = synthetic.calculate(expr)
-    wrong = str(int(float(right)) + 1000) if right.lstrip("-").isdigit() else right + "0"
-    msgs[first_call + 1] = {"role": "tool", "content": wrong}
-    recheck = {"role": "assistant", "content": f"{expr} cannot be {wrong}; let me recompute.",
-               "tool_calls": [synthetic._call("calculator", expression=expr)]}
-    msgs[first_call + 2:first_call + 2] = [recheck, {"role": "tool", "content": right}]
-    return synthetic.Task("calc_faulty", seed, task.tools, msgs, task.answer, task.check, thinking=False,
-                          initial_files=task.initial_files)
-
-
-class FaultyWorld(synthetic.World):
-    """The calculator gets the first computation wrong by 1000, then behaves."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.faulted = False
-
-    def call(self, name: str, args: dict[str, Any]) -> str:
-        result = super().call(name, args)
-        if name == "calculator" and not self.faulted and not result.startswith("error"):
-            self.faulted = True
-            return str(int(float(result)) + 1000) if result.lstrip("-").isdigit() else result + "0"
-        return result
+    def condition_name(self, endpoint: Endpoint, condition: dict) -> str:
+        name = ",".join(f"{k}={v}" for k, v in sorted(condition.items())) or "default"
+        return f"{endpoint.name}: {name}" if len(self.endpoints) > 1 else name
 
 
 # -- the loop ----------------------------------------------------------------------------------------------
@@ -130,15 +83,15 @@ class ModelError(RuntimeError):
     """The endpoint answered with an error status for a well-formed request."""
 
 
-def _chat(client: httpx.Client, cfg: HarnessConfig, body: dict) -> dict:
+def _chat(client: httpx.Client, endpoint: Endpoint, body: dict, timeout_s: float) -> dict:
     """One streamed chat completion; returns message, usage and timings."""
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
     t0 = time.perf_counter()
     ttft = None
     content, reasoning, calls, usage, finish = "", "", {}, {}, None
     try:
-        with client.stream("POST", cfg.endpoint.rstrip("/") + "/chat/completions", json=body, headers=headers,
-                           timeout=cfg.request_timeout_s) as r:
+        with client.stream("POST", endpoint.url.rstrip("/") + "/chat/completions", json=body, headers=headers,
+                           timeout=timeout_s) as r:
             if r.status_code >= 500 or r.status_code == 429:
                 raise InfraError(f"HTTP {r.status_code}")
             if r.status_code != 200:
@@ -170,37 +123,51 @@ def _chat(client: httpx.Client, cfg: HarnessConfig, body: dict) -> dict:
             "usage": usage, "finish_reason": finish, "model_s": time.perf_counter() - t0, "ttft_s": ttft}
 
 
-def run_task(client: httpx.Client, cfg: HarnessConfig, ht: HarnessTask, condition: dict) -> dict:
+def _malformed(reply: dict) -> int:
+    """Tool-call markup the server could not parse into a call (it leaked into the text)."""
+    return int("<tool_call>" in reply["content"] or "</tool_call>" in reply["content"])
+
+
+def run_task(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht: HarnessTask, condition: dict) -> dict:
     """One attempt at one task under one condition; the transcript records every step."""
-    task = ht.task
-    world = FaultyWorld() if ht.faulty_first_call else task.fresh_world()
-    messages = [dict(m) for m in task.prompt_messages]
-    steps, transcript = [], []
-    valid_args = total_args = 0
+    env = ht.open()
+    try:
+        return _agent_loop(client, cfg, endpoint, ht, condition, env)
+    finally:
+        env.close()
+
+
+def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht: HarnessTask, condition: dict,
+                env: Environment) -> dict:
+    messages = [dict(m) for m in ht.prompt]
+    tool_names = {t["function"]["name"] for t in ht.tools}
+    steps: list[dict] = []
+    valid_args = total_args = malformed = 0
     t_start = time.perf_counter()
-    reason = "step_limit"
-    answer = None
+    reason, answer, check_s = "step_limit", None, 0.0
     for step in range(cfg.step_limit):
         if time.perf_counter() - t_start > cfg.task_timeout_s:
             reason = "timeout"
             break
         t_step = time.perf_counter()
-        body = {"model": cfg.model, "messages": messages, "tools": task.tools or None, "max_tokens": cfg.max_tokens,
+        body = {"model": endpoint.model, "messages": messages, "max_tokens": cfg.max_tokens,
                 "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
                 "chat_template_kwargs": {"enable_thinking": cfg.thinking}, **condition}
-        if not task.tools:
-            body.pop("tools")
+        if ht.tools:
+            body["tools"] = ht.tools
         try:
-            reply = _chat(client, cfg, body)
+            reply = _chat(client, endpoint, body, cfg.request_timeout_s)
         except ModelError as exc:
             steps.append({"step": step, "error": str(exc)})
             reason = "model_error"
             break
-        tool_s = 0.0
+        usage = reply["usage"] or {}
+        malformed += _malformed(reply)
         record = {"step": step, "model_s": reply["model_s"], "ttft_s": reply["ttft_s"],
-                  "completion_tokens": (reply["usage"] or {}).get("completion_tokens"),
-                  "nfe": (reply["usage"] or {}).get("nfe"), "finish_reason": reply["finish_reason"],
-                  "content": reply["content"][:500], "tool_calls": reply["tool_calls"]}
+                  "completion_tokens": usage.get("completion_tokens"), "nfe": usage.get("nfe"),
+                  "finish_reason": reply["finish_reason"], "content": reply["content"][:2000],
+                  "tool_calls": reply["tool_calls"]}
+        tool_s = 0.0
         if reply["tool_calls"]:
             messages.append({"role": "assistant", "content": reply["content"] or None, "tool_calls": [
                 {"id": c["id"] or f"call_{step}_{i}", "type": "function",
@@ -212,11 +179,12 @@ def run_task(client: httpx.Client, cfg: HarnessConfig, ht: HarnessTask, conditio
                 t_tool = time.perf_counter()
                 try:
                     args = json.loads(c["arguments"] or "{}")
-                    ok = isinstance(args, dict) and c["name"] in {t["function"]["name"] for t in task.tools}
+                    ok = isinstance(args, dict) and c["name"] in tool_names
                 except json.JSONDecodeError:
                     args, ok = {}, False
-                result = world.call(c["name"], args) if ok else "error: invalid tool call"
+                result = env.call(c["name"], args) if ok else "error: invalid tool call"
                 valid_args += ok
+                malformed += not ok
                 bad |= not ok
                 tool_s += time.perf_counter() - t_tool
                 messages.append({"role": "tool", "tool_call_id": c["id"] or "", "content": result})
@@ -231,68 +199,90 @@ def run_task(client: httpx.Client, cfg: HarnessConfig, ht: HarnessTask, conditio
         record["harness_s"] = time.perf_counter() - t_step - reply["model_s"]
         steps.append(record)
         answer = reply["content"]
-        reason = "success" if task.check(answer) else "wrong_answer"
+        t_check = time.perf_counter()
+        reason = "success" if env.check(answer) else "wrong_answer"
+        check_s = time.perf_counter() - t_check
         break
     transcript = messages + ([{"role": "assistant", "content": answer}] if answer is not None else [])
-    model_s = sum(s.get("model_s", 0) for s in steps)
-    tool_s = sum(s.get("tool_s", 0) for s in steps)
+    total = lambda key: sum(s.get(key) or 0 for s in steps)  # noqa: E731
     return {"reason": reason, "success": reason == "success", "steps": len(steps),
-            "total_s": time.perf_counter() - t_start, "model_s": model_s, "tool_s": tool_s,
-            "harness_s": sum(s.get("harness_s", 0) for s in steps),
+            "total_s": time.perf_counter() - t_start, "model_s": total("model_s"), "tool_s": total("tool_s"),
+            "harness_s": total("harness_s"), "check_s": check_s,
             "ttft_s": [s["ttft_s"] for s in steps if s.get("ttft_s") is not None],
-            "valid_tool_args": valid_args, "tool_calls": total_args, "step_records": steps, "transcript": transcript}
+            "completion_tokens": total("completion_tokens"), "nfe": total("nfe"),
+            "valid_tool_args": valid_args, "tool_calls": total_args, "malformed": malformed,
+            "step_records": steps, "transcript": transcript}
 
 
-def _condition_name(condition: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(condition.items())) or "default"
+def _infra_failure(exc: Exception) -> dict:
+    return {"reason": "infrastructure_error", "success": False, "error": str(exc), "steps": 0, "total_s": 0.0,
+            "model_s": 0.0, "tool_s": 0.0, "harness_s": 0.0, "check_s": 0.0, "ttft_s": [], "completion_tokens": 0,
+            "nfe": 0, "valid_tool_args": 0, "tool_calls": 0, "malformed": 0, "step_records": [], "transcript": []}
 
 
 def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> dict:
     out = Path(out)
     results_path = out / "results.jsonl"
-    done = set()
+    previous: list[dict] = []
     if resume and results_path.is_file():
-        for line in results_path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done.add((r["task"], r["condition"], r["run"]))
+        lines = results_path.read_text().splitlines()
+        # a run killed while writing leaves at most one partial last line: drop it and redo that task run
+        whole = [x for x in lines if x.strip() and _is_json(x)]
+        results_path.write_text("".join(x + "\n" for x in whole))
+        previous = [json.loads(x) for x in whole]
     elif results_path.exists():
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     (out / "metadata.json").write_text(json.dumps(_metadata(cfg), indent=2) + "\n")
     tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite)]
-    first_request = not done  # the cold condition: the first request this harness sends
+    done = {(r["task"], r["condition"], r["run"]) for r in previous}
+    # cold: the first task run this harness sends to an endpoint (a resumed run's endpoints are warm)
+    cold = {e.name: not any(r["endpoint"] == e.name for r in previous) for e in cfg.endpoints}
     with httpx.Client() as client:
         for run in range(cfg.runs):
-            for condition in cfg.conditions:
-                cname = _condition_name(condition)
-                for ht in tasks:
-                    if (ht.id, cname, run) in done:
-                        continue
-                    for attempt in range(cfg.infra_retries + 1):
-                        try:
-                            res = run_task(client, cfg, ht, condition)
-                            break
-                        except InfraError as exc:
-                            res = {"reason": "infrastructure_error", "success": False, "error": str(exc),
-                                   "steps": 0, "total_s": 0.0, "model_s": 0.0, "tool_s": 0.0, "harness_s": 0.0,
-                                   "ttft_s": [], "valid_tool_args": 0, "tool_calls": 0, "step_records": [],
-                                   "transcript": []}
-                            time.sleep(min(2 ** attempt, 10))
-                    res.update(task=ht.id, suite=ht.suite, condition=cname, run=run, cold=first_request,
-                               attempts=attempt + 1)
-                    first_request = False
-                    tdir = out / "tasks" / ht.id / cname
-                    tdir.mkdir(parents=True, exist_ok=True)
-                    (tdir / f"run{run}.json").write_text(json.dumps(
-                        {"transcript": res.pop("transcript"), "steps": res.pop("step_records")}, indent=1))
-                    with open(results_path, "a") as f:
-                        f.write(json.dumps(res) + "\n")
+            for endpoint in cfg.endpoints:
+                for condition in cfg.conditions:
+                    cname = cfg.condition_name(endpoint, condition)
+                    for ht in tasks:
+                        if (ht.id, cname, run) in done:
+                            continue
+                        res = _attempt(client, cfg, endpoint, ht, condition)
+                        res.update(task=ht.id, suite=ht.suite, condition=cname, endpoint=endpoint.name,
+                                   params=condition, run=run, cold=cold[endpoint.name])
+                        cold[endpoint.name] = False
+                        tdir = out / "tasks" / ht.id / cname.replace(": ", "_").replace("/", "_")
+                        tdir.mkdir(parents=True, exist_ok=True)
+                        (tdir / f"run{run}.json").write_text(json.dumps(
+                            {"transcript": res.pop("transcript"), "steps": res.pop("step_records")}, indent=1))
+                        with open(results_path, "a") as f:
+                            f.write(json.dumps(res) + "\n")
     results = [json.loads(x) for x in results_path.read_text().splitlines() if x.strip()]
     summary = summarise(results, cfg.runs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_report(out, cfg, summary, results)
     return summary
+
+
+def _attempt(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht: HarnessTask, condition: dict) -> dict:
+    """A task run, retried (with backoff) only when the infrastructure failed."""
+    for attempt in range(cfg.infra_retries + 1):
+        try:
+            res = run_task(client, cfg, endpoint, ht, condition)
+            break
+        except InfraError as exc:
+            res = _infra_failure(exc)
+            if attempt < cfg.infra_retries:
+                time.sleep(min(2 ** attempt, 10))
+    res["attempts"] = attempt + 1
+    return res
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _metadata(cfg: HarnessConfig) -> dict:
@@ -302,12 +292,13 @@ def _metadata(cfg: HarnessConfig) -> dict:
         commit = None
     import torch
 
-    return {"commit": commit, "endpoint": cfg.endpoint, "model": cfg.model, "suites": list(cfg.suites),
-            "tasks_per_suite": cfg.tasks_per_suite, "runs": cfg.runs, "conditions": cfg.conditions,
-            "step_limit": cfg.step_limit, "task_timeout_s": cfg.task_timeout_s, "max_tokens": cfg.max_tokens,
-            "thinking": cfg.thinking, "infra_retries": cfg.infra_retries, "python": platform.python_version(),
-            "torch": torch.__version__, "httpx": httpx.__version__, "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {"commit": commit, "endpoints": [{"name": e.name, "url": e.url, "model": e.model} for e in cfg.endpoints],
+            "suites": list(cfg.suites), "tasks_per_suite": cfg.tasks_per_suite, "runs": cfg.runs,
+            "conditions": cfg.conditions, "step_limit": cfg.step_limit, "task_timeout_s": cfg.task_timeout_s,
+            "request_timeout_s": cfg.request_timeout_s, "max_tokens": cfg.max_tokens, "thinking": cfg.thinking,
+            "infra_retries": cfg.infra_retries, "python": platform.python_version(), "torch": torch.__version__,
+            "httpx": httpx.__version__, "machine": platform.machine(), "processor": platform.processor(),
+            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 # -- statistics and report ---------------------------------------------------------------------------------
@@ -321,9 +312,15 @@ def _dist(values: list[float]) -> dict:
             "min": s[0], "max": s[-1]}
 
 
+def _speed(rows: list[dict]) -> dict:
+    tokens, nfe, model_s = (sum(r[k] for r in rows) for k in ("completion_tokens", "nfe", "model_s"))
+    return {"completion_tokens": tokens, "tokens_per_s": tokens / model_s if model_s else None,
+            "tpf": tokens / nfe if nfe else None}
+
+
 def summarise(results: list[dict], runs: int) -> dict:
     out = {}
-    for cname in sorted({r["condition"] for r in results}):
+    for cname in dict.fromkeys(r["condition"] for r in results):
         rows = [r for r in results if r["condition"] == cname]
         quality = [r for r in rows if r["reason"] != "infrastructure_error"]
         n = len(quality)
@@ -331,47 +328,83 @@ def summarise(results: list[dict], runs: int) -> dict:
         by_task: dict[str, list[bool]] = {}
         for r in quality:
             by_task.setdefault(r["task"], []).append(r["success"])
-        reasons = {k: sum(r["reason"] == k for r in rows) for k in REASONS}
         calls = sum(r["tool_calls"] for r in quality)
         out[cname] = {
+            "endpoint": rows[0]["endpoint"], "params": rows[0]["params"],
             "task_runs": len(rows), "quality_runs": n, "success_mean": p,
             "success_stderr": math.sqrt(p * (1 - p) / n) if n and p is not None else None,
             f"pass@{runs}": (sum(any(v) for v in by_task.values()) / len(by_task)) if by_task else None,
             f"pass^{runs}": (sum(all(v) for v in by_task.values()) / len(by_task)) if by_task else None,
-            "reasons": reasons, "valid_tool_arg_rate": (sum(r["valid_tool_args"] for r in quality) / calls)
-            if calls else None,
-            "model_s": _dist([r["model_s"] for r in quality]), "tool_s": _dist([r["tool_s"] for r in quality]),
-            "harness_s": _dist([r["harness_s"] for r in quality]), "total_s": _dist([r["total_s"] for r in quality]),
+            "reasons": {k: sum(r["reason"] == k for r in rows) for k in REASONS},
+            "valid_tool_arg_rate": (sum(r["valid_tool_args"] for r in quality) / calls) if calls else None,
+            "tool_calls": calls, "malformed": sum(r["malformed"] for r in quality),
+            **{k: _dist([r[k] for r in quality]) for k in ("model_s", "tool_s", "harness_s", "total_s")},
             "ttft_s": _dist([t for r in quality for t in r["ttft_s"]]),
+            **_speed(quality),
             "cold_total_s": [r["total_s"] for r in rows if r.get("cold")],
-            "by_suite": {s: sum(r["success"] for r in quality if r["suite"] == s) /
-                         max(1, sum(1 for r in quality if r["suite"] == s))
-                         for s in sorted({r["suite"] for r in quality})},
+            "warm_total_s": _dist([r["total_s"] for r in quality if not r.get("cold")]),
+            "by_suite": {s: {"success_mean": sum(r["success"] for r in sub) / len(sub), "task_runs": len(sub),
+                             "total_s": _dist([r["total_s"] for r in sub])["median"], **_speed(sub)}
+                         for s in dict.fromkeys(r["suite"] for r in quality)
+                         for sub in [[r for r in quality if r["suite"] == s]]},
         }
     return out
 
 
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _block_order(params: dict) -> int:
+    return -1 if params.get("algorithm") == "ar" else int(params.get("block_size", 0))
+
+
+def _block_label(params: dict) -> str:
+    if params.get("algorithm") == "ar":
+        return "ar (one token per step)"
+    return str(params.get("block_size", "server default"))
+
+
 def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dict]) -> None:
-    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-    lines = ["# Agent evaluation report", "", f"Endpoint `{cfg.endpoint}`, model `{cfg.model}`, suites "
-             f"{', '.join(cfg.suites)} ({cfg.tasks_per_suite} tasks each), {cfg.runs} runs per task and condition, "
-             f"step limit {cfg.step_limit}, max_tokens {cfg.max_tokens}, thinking {'on' if cfg.thinking else 'off'}, "
-             "temperature 0. Conditions and metadata: `metadata.json`.", "",
+    k, f = cfg.runs, _fmt
+    eps = ", ".join(f"`{e.name}` ({e.url}, model `{e.model}`)" for e in cfg.endpoints)
+    lines = ["# Agent evaluation report", "", f"Endpoints: {eps}. Suites {', '.join(cfg.suites)} "
+             f"({cfg.tasks_per_suite} tasks each), {cfg.runs} run(s) per task and condition, step limit "
+             f"{cfg.step_limit}, max_tokens {cfg.max_tokens}, thinking {'on' if cfg.thinking else 'off'}, temperature 0. "
+             "Conditions and machine: `metadata.json`; every step of every task run: `tasks/`.", "",
              "| condition | task runs | success (± s.e.) | pass@k | pass^k | valid tool args | model s (median / p90) "
-             "| tool s (median) | total s (median / p90, min-max) | TTFT s (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    k = cfg.runs
+             "| tool s (median) | total s (median / p90, min-max) | TTFT s (median) | tokens/s | TPF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cname, s in summary.items():
-        lines.append(f"| {cname} | {s['task_runs']} | {fmt(s['success_mean'])} ± {fmt(s['success_stderr'])} | "
-                     f"{fmt(s[f'pass@{k}'])} | {fmt(s[f'pass^{k}'])} | {fmt(s['valid_tool_arg_rate'])} | "
-                     f"{fmt(s['model_s']['median'])} / {fmt(s['model_s']['p90'])} | {fmt(s['tool_s']['median'])} | "
-                     f"{fmt(s['total_s']['median'])} / {fmt(s['total_s']['p90'])} ({fmt(s['total_s']['min'])}-"
-                     f"{fmt(s['total_s']['max'])}) | {fmt(s['ttft_s']['median'])} |")
+        t = s["total_s"]
+        lines.append(f"| {cname} | {s['task_runs']} | {f(s['success_mean'])} ± {f(s['success_stderr'])} | "
+                     f"{f(s[f'pass@{k}'])} | {f(s[f'pass^{k}'])} | {f(s['valid_tool_arg_rate'])} | "
+                     f"{f(s['model_s']['median'])} / {f(s['model_s']['p90'])} | {f(s['tool_s']['median'])} | "
+                     f"{f(t['median'])} / {f(t['p90'])} ({f(t['min'])}-{f(t['max'])}) | {f(s['ttft_s']['median'])} | "
+                     f"{f(s['tokens_per_s'], 1)} | {f(s['tpf'], 2)} |")
+    lines += ["", f"k = {k} runs. Per suite (success is pass@1 for humaneval; tokens/s = completion tokens over model "
+              "time; TPF = completion tokens per forward pass, from `usage.nfe`):", "",
+              "| condition | suite | task runs | success | median total s | tokens/s | TPF |", "|---|---|---|---|---|---|---|"]
+    for cname, s in summary.items():
+        for suite, b in s["by_suite"].items():
+            lines.append(f"| {cname} | {suite} | {b['task_runs']} | {f(b['success_mean'])} | {f(b['total_s'])} | "
+                         f"{f(b['tokens_per_s'], 1)} | {f(b['tpf'], 2)} |")
     lines += ["", "How task runs ended:", "", "| condition | " + " | ".join(REASONS) + " |",
               "|---|" + "---|" * len(REASONS)]
     for cname, s in summary.items():
         lines.append(f"| {cname} | " + " | ".join(str(s["reasons"][r]) for r in REASONS) + " |")
-    lines += ["", "Cold start (the first request this harness sent): " + ", ".join(
-        f"{c}: {s['cold_total_s'][0]:.2f} s" for c, s in summary.items() if s["cold_total_s"]) + ".", ""]
+    lines += ["", "Formatting stability per block size (malformed: a tool call whose arguments are not a JSON object "
+              "or that names no tool of the task, or tool-call markup left in the text):", "",
+              "| condition | block size | tool calls | malformed | malformed per call |", "|---|---|---|---|---|"]
+    order = [e.name for e in cfg.endpoints]
+    for cname, s in sorted(summary.items(), key=lambda kv: (order.index(kv[1]["endpoint"]),
+                                                            _block_order(kv[1]["params"]))):
+        rate = s["malformed"] / s["tool_calls"] if s["tool_calls"] else None
+        lines.append(f"| {cname} | {_block_label(s['params'])} | {s['tool_calls']} | {s['malformed']} | {f(rate)} |")
+    lines += ["", "Cold start (the first task run sent to each endpoint) against warm task runs (median total s):", ""]
+    lines += [f"- {c}: cold {s['cold_total_s'][0]:.2f} s, warm median {f(s['warm_total_s']['median'], 2)} s"
+              for c, s in summary.items() if s["cold_total_s"]]
+    lines.append("")
     if _plots(out, summary, results):
         lines += ["![latency layers](latency_layers.png)", "", "![success against time](success_vs_time.png)", "",
                   "![dispersion per task](dispersion.png)", ""]
@@ -387,31 +420,25 @@ def _plots(out: Path, summary: dict, results: list[dict]) -> bool:
     except ImportError:
         return False
     names = list(summary)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(names)), 4))
     bottom = [0.0] * len(names)
     for layer in ("model_s", "tool_s", "harness_s"):
         vals = [summary[c][layer]["median"] or 0 for c in names]
-        ax.bar(names, vals, bottom=bottom, label=layer.removesuffix("_s"))
+        ax.bar(range(len(names)), vals, bottom=bottom, label=layer.removesuffix("_s"))
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.set(ylabel="median seconds per task", title="latency layers per condition")
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=7)
+    ax.set(ylabel="median seconds per task run", title="latency layers per condition")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "latency_layers.png", dpi=110)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for c in names:
-        ax.scatter(summary[c]["total_s"]["median"] or 0, summary[c]["success_mean"] or 0, s=60)
-        ax.annotate(c, (summary[c]["total_s"]["median"] or 0, summary[c]["success_mean"] or 0), fontsize=8)
-    ax.set(xlabel="median total seconds per task", ylabel="success rate", title="success against time")
-    fig.tight_layout()
-    fig.savefig(out / "success_vs_time.png", dpi=110)
-    plt.close(fig)
-    tasks = sorted({r["task"] for r in results})
+    _success_vs_time(plt, out, summary)
+    tasks = list(dict.fromkeys(r["task"] for r in results))
     fig, ax = plt.subplots(figsize=(max(6, len(tasks) * 0.4), 4))
     for j, c in enumerate(names):
         for i, t in enumerate(tasks):
             ys = [r["total_s"] for r in results if r["task"] == t and r["condition"] == c]
-            ax.scatter([i + 0.15 * j] * len(ys), ys, s=12, label=c if i == 0 else None)
+            ax.scatter([i + 0.15 * j] * len(ys), ys, s=12, color=f"C{j}", label=c if i == 0 else None)
     ax.set_xticks(range(len(tasks)), tasks, rotation=80, fontsize=6)
     ax.set(ylabel="total seconds", title="dispersion over runs, per task")
     ax.legend(fontsize=7)
@@ -419,3 +446,27 @@ def _plots(out: Path, summary: dict, results: list[dict]) -> bool:
     fig.savefig(out / "dispersion.png", dpi=110)
     plt.close(fig)
     return True
+
+
+def _success_vs_time(plt: object, out: Path, summary: dict) -> None:
+    """Success against median time; conditions that differ only in block size are joined by a line,
+    in block-size order, each point labelled with its block size."""
+    series: dict[str, list[tuple[int, float, float]]] = {}
+    for s in summary.values():
+        rest = {k: v for k, v in s["params"].items() if k != "block_size"}
+        key = s["endpoint"] + " " + (",".join(f"{k}={v}" for k, v in sorted(rest.items())) or "default")
+        series.setdefault(key, []).append((_block_order(s["params"]), s["total_s"]["median"] or 0,
+                                           s["success_mean"] or 0))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (key, pts) in enumerate(series.items()):
+        pts.sort()
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], "o-", color=f"C{i}", label=key)
+        for size, x, y in pts:
+            if size > 0:
+                ax.annotate(f"b={size}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+    ax.set(xlabel="median total seconds per task run", ylabel="success rate", title="success against time across "
+           "block sizes", ylim=(-0.05, 1.05))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "success_vs_time.png", dpi=110)
+    plt.close(fig)

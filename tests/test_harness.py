@@ -1,5 +1,6 @@
-"""The agent harness against scripted OpenAI endpoints: an oracle (100%) and broken ones (0%, with the
-right termination reasons), and a killed-then-resumed run that matches an uninterrupted one."""
+"""The agent harness against scripted OpenAI endpoints: an oracle (100% on every suite) and broken ones
+(0%, with the right termination reasons), endpoints side by side, and a killed-then-resumed run that
+matches an uninterrupted one."""
 
 import json
 import socket
@@ -11,7 +12,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from clover import harness
+from clover import agent_suites, harness
+from clover.cli import main as cli_main
+
+SUITES = ("tools", "memory", "coding", "humaneval")
+TASKS = {}  # the prompt of every task the tests use -> the task (each prompt must name one task)
+for _suite in SUITES:
+    for _ht in agent_suites.suite_tasks(_suite, 4):
+        _key = json.dumps([m["content"] for m in _ht.prompt])
+        assert _key not in TASKS, f"two tasks share a prompt: {_ht.id}"
+        TASKS[_key] = _ht
 
 
 def _port():
@@ -21,13 +31,12 @@ def _port():
 
 
 def _reference(messages):
-    """The task whose prompt these messages start with, and the next reference assistant turn."""
-    for suite in ("tools", "memory"):
-        for ht in harness.suite_tasks(suite, 12):
-            prompt = ht.task.prompt_messages
-            if [m["content"] for m in messages[: len(prompt)]] == [m["content"] for m in prompt]:
-                turns = [m for m in ht.task.messages if m["role"] == "assistant"]
-                return ht, turns[sum(m["role"] == "assistant" for m in messages)]
+    """The task whose prompt these messages start with, and the next reference assistant turn (the
+    oracle replays the reference actions whatever the tools answered)."""
+    for n in (1, 2):
+        ht = TASKS.get(json.dumps([m["content"] for m in messages[:n]]))
+        if ht is not None and len(ht.prompt) == n:
+            return ht, ht.reference[sum(m["role"] == "assistant" for m in messages)]
     raise AssertionError("unknown task")
 
 
@@ -46,8 +55,8 @@ def scripted_app(mode):
         ht, turn = _reference(body["messages"])
         content = turn.get("content") or ""
         calls_out = [dict(c, id=f"c{i}") for i, c in enumerate(turn.get("tool_calls") or [])]
-        if mode == "wrong" and not calls_out:
-            content = "I do not know."
+        if mode == "wrong":  # answers at once, without acting
+            content, calls_out = "I do not know.", []
         if mode == "malformed" and calls_out:
             calls_out[0] = {**calls_out[0], "function": {**calls_out[0]["function"], "arguments": "{not json"}}
 
@@ -87,43 +96,76 @@ def endpoint():
         s.should_exit = True
 
 
-def _cfg(url, **kw):
-    return harness.HarnessConfig(endpoint=url, model="m", tasks_per_suite=6, runs=2, infra_retries=1,
-                                 conditions=[{"algorithm": "ar"}, {"algorithm": "low_confidence", "block_size": 32}],
-                                 **kw)
+def _cfg(url, suites=SUITES, **kw):
+    return harness.HarnessConfig(endpoints=[harness.Endpoint(url, "m")], suites=suites, tasks_per_suite=4, runs=2,
+                                 infra_retries=1, conditions=[{"algorithm": "ar"},
+                                                              {"algorithm": "low_confidence", "block_size": 32}], **kw)
 
 
 def test_oracle_endpoint_solves_every_suite(endpoint, tmp_path):
     url, _ = endpoint("oracle")
     summary = harness.run_harness(_cfg(url), tmp_path / "run")
+    assert list(summary) == ["algorithm=ar", "algorithm=low_confidence,block_size=32"]
     for cond in summary.values():
         assert cond["success_mean"] == 1.0 and cond["pass@2"] == 1.0 and cond["pass^2"] == 1.0
-        assert cond["by_suite"] == {"memory": 1.0, "tools": 1.0} and cond["valid_tool_arg_rate"] == 1.0
-        assert cond["reasons"]["success"] == 24
+        assert {s: b["success_mean"] for s, b in cond["by_suite"].items()} == dict.fromkeys(SUITES, 1.0)
+        assert cond["valid_tool_arg_rate"] == 1.0 and cond["malformed"] == 0
+        assert cond["reasons"]["success"] == 32 and cond["tpf"] == 5 / 3  # from the scripted usage
     results = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     faulty = [r for r in results if "calc_faulty" in r["task"]]
     assert faulty and all(r["success"] and r["steps"] == 4 for r in faulty)  # noticed the wrong result, recomputed
-    memory32 = [r for r in results if r["task"].startswith("memory-32-")]
-    assert memory32 and all(r["steps"] == 33 for r in memory32)
+    recover = [r for r in results if "coding-recover" in r["task"]]
+    assert recover and all(r["success"] and r["steps"] == 4 for r in recover)  # ran the failing command first
+    assert all(r["steps"] == 1 for r in results if r["suite"] == "humaneval")
+    assert [r["cold"] for r in results].count(True) == 1 and results[0]["cold"]
     for name in ("metadata.json", "summary.json", "report.md", "latency_layers.png", "success_vs_time.png",
                  "dispersion.png"):
         assert (tmp_path / "run" / name).is_file(), name
     transcript = json.loads(next((tmp_path / "run" / "tasks").rglob("run0.json")).read_text())
     assert transcript["transcript"][0]["role"] in ("user", "system") and transcript["steps"][0]["model_s"] > 0
-    assert "| algorithm=ar |" in (tmp_path / "run" / "report.md").read_text()
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "| algorithm=ar |" in report and "| algorithm=low_confidence,block_size=32 | coding | 8 | 1.000 |" in report
+    assert "| algorithm=low_confidence,block_size=32 | 32 | " in report  # formatting stability per block size
+
+
+def test_endpoints_side_by_side(endpoint, tmp_path):
+    good, _ = endpoint("oracle")
+    bad, _ = endpoint("wrong")
+    cfg = _cfg(good, suites=("tools", "coding"))
+    cfg.endpoints = [harness.Endpoint(good, "m", "oracle"), harness.Endpoint(bad, "m", "lazy")]
+    cfg.runs, cfg.conditions = 1, [{"block_size": 8}, {"block_size": 32}]
+    summary = harness.run_harness(cfg, tmp_path / "run")
+    assert {c: s["success_mean"] for c, s in summary.items()} == {
+        "oracle: block_size=8": 1.0, "oracle: block_size=32": 1.0, "lazy: block_size=8": 0.0,
+        "lazy: block_size=32": 0.0}
+    results = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert [(r["endpoint"], r["cold"]) for r in results if r["cold"]] == [("oracle", True), ("lazy", True)]
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "`oracle`" in report and "`lazy`" in report and "| lazy: block_size=8 | 8 | 0 | 0 |" in report
+
+
+def test_malformed_calls_are_counted_per_condition(endpoint, tmp_path):
+    url, _ = endpoint("malformed")
+    cfg = _cfg(url, suites=("coding",))
+    cfg.runs = 1
+    summary = harness.run_harness(cfg, tmp_path / "run")
+    for s in summary.values():
+        assert s["malformed"] == s["tool_calls"] == 4 and s["valid_tool_arg_rate"] == 0.0
+        assert s["reasons"]["invalid_tool_call"] == 4
 
 
 @pytest.mark.parametrize("mode,reason", [("wrong", "wrong_answer"), ("malformed", "invalid_tool_call"),
                                          ("error", "model_error"), ("down", "infrastructure_error")])
 def test_broken_endpoints_score_zero_with_the_right_reason(endpoint, tmp_path, mode, reason):
     url, calls = endpoint(mode)
-    cfg = _cfg(url, suites=("tools",))
+    suites = ("tools", "coding") if mode == "malformed" else ("tools", "coding", "humaneval")
+    cfg = _cfg(url, suites=suites)
     cfg.tasks_per_suite, cfg.runs, cfg.conditions = 4, 1, [{}]
     summary = harness.run_harness(cfg, tmp_path / "run")["default"]
-    assert summary["reasons"][reason] == 4
+    assert summary["reasons"][reason] == 4 * len(suites)
     if reason == "infrastructure_error":
         assert summary["quality_runs"] == 0 and summary["success_mean"] is None  # left out of quality figures
-        assert calls["n"] == 4 * 2  # one retry each
+        assert calls["n"] == 4 * len(suites) * 2  # one retry each
     else:
         assert summary["success_mean"] == 0.0
 
@@ -134,11 +176,30 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
     cut = tmp_path / "cut"
     harness.run_harness(_cfg(url), cut)
     lines = (cut / "results.jsonl").read_text().splitlines()
-    (cut / "results.jsonl").write_text("\n".join(lines[:17]) + "\n")  # as if killed after 17 task runs
+    # as if killed after 37 task runs, in the middle of writing the 38th
+    (cut / "results.jsonl").write_text("\n".join(lines[:37]) + "\n" + lines[37][:50])
     resumed = harness.run_harness(_cfg(url), cut, resume=True)
-    strip = lambda s: {c: {k: v for k, v in d.items() if not k.endswith("_s") and k != "cold_total_s"}  # noqa: E731
+    timing = ("_s", "tokens_per_s")
+    strip = lambda s: {c: {k: v for k, v in d.items() if not k.endswith(timing) and k != "by_suite"}  # noqa: E731
                        for c, d in s.items()}
     assert strip(resumed) == strip(whole)
-    assert len((cut / "results.jsonl").read_text().splitlines()) == 48
+    assert {c: {s: b["success_mean"] for s, b in d["by_suite"].items()} for c, d in resumed.items()} == \
+        {c: {s: b["success_mean"] for s, b in d["by_suite"].items()} for c, d in whole.items()}
+    assert len((cut / "results.jsonl").read_text().splitlines()) == 64
     with pytest.raises(ValueError, match="already holds a run"):
         harness.run_harness(_cfg(url), cut)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--endpoint", "localhost:8000", "--model", "m"], "is not a URL"),
+    (["--endpoint", "http://a/v1", "--endpoint", "http://b/v1", "--model", "m", "--model", "n", "--model", "o"],
+     "one --model for all endpoints or one per endpoint"),
+    (["--endpoint", "x=http://a/v1", "--endpoint", "x=http://b/v1", "--model", "m"], "endpoint names must differ"),
+    (["--endpoint", "http://a/v1", "--model", "m", "--suite", "tools,cooking"], "unknown suite 'cooking'"),
+    (["--endpoint", "http://a/v1", "--model", "m", "--condition", "{algorithm: ar}"], "not valid JSON"),
+    (["--endpoint", "http://a/v1", "--model", "m", "--condition", "[1]"], "JSON object"),
+])
+def test_eval_agent_bad_arguments_are_one_line_errors(args, message, tmp_path, capsys):
+    assert cli_main(["eval", "agent", *args, "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not (tmp_path / "r").exists()

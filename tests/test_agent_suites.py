@@ -1,0 +1,136 @@
+"""The suites and the sandbox: every task is solvable by its reference and not solved untouched; hidden
+tests decide the coding tasks; all 164 HumanEval references pass and trivial answers fail; model-written
+code is confined (paths, commands, time, memory, output size)."""
+
+import json
+
+import pytest
+
+from clover import agent_suites as S
+from clover.sandbox import Limits, run_command, run_python
+
+
+def _replay(env, turns):
+    """Run the tool calls of the reference turns; return the tool results."""
+    out = []
+    for turn in turns:
+        for c in turn.get("tool_calls") or []:
+            out.append(env.call(c["function"]["name"], json.loads(c["function"]["arguments"])))
+    return out
+
+
+@pytest.mark.parametrize("ht", S.suite_tasks("coding", 8), ids=lambda t: t.id)
+def test_coding_reference_passes_the_hidden_tests_and_doing_nothing_fails(ht):
+    env = ht.open()
+    try:
+        assert not env.check(ht.reference[-1]["content"])     # the task is not already solved
+        visible = env.call("run_tests", {})
+        if "fix_bug" in ht.id or "read_failure" in ht.id:
+            assert visible.startswith("exit code 1") and "FAIL" in visible  # a failure to read
+        results = _replay(env, ht.reference)
+        assert env.check(ht.reference[-1]["content"])
+        if "recover" in ht.id or "navigate" in ht.id:
+            assert not env.check("Done.")  # the answer must also say what was found
+        if "fix_bug" in ht.id or "read_failure" in ht.id:
+            assert results[-1].startswith("exit code 0")
+        if "recover" in ht.id:
+            assert results[0].startswith("exit code 2") and "No such file" in results[0]  # the command to recover from
+    finally:
+        env.close()
+    assert not env.root.exists()
+
+
+def test_coding_tasks_differ_by_seed_and_prompts_are_unique():
+    tasks = S.suite_tasks("coding", 16)
+    assert len({json.dumps(t.prompt) for t in tasks}) == 16
+    assert {t.id.split("-")[1] for t in tasks} == set(S.CODING_FAMILIES)
+
+
+def test_a_wrong_fix_fails_the_hidden_tests():
+    ht = next(t for t in S.suite_tasks("coding", 8) if "fix_bug" in t.id)
+    env = ht.open()
+    try:
+        path = json.loads(ht.reference[1]["tool_calls"][0]["function"]["arguments"])["path"]
+        src = env.call("read_file", {"path": path})
+        body = src.splitlines()[-1]
+        assert env.call("edit_file", {"path": path, "old": body, "new": "    return None"}) == "ok"
+        assert not env.check("done")
+        # editing the visible tests into passing does not help: hidden tests decide
+        test = next(p for p in env.call("list_files", {"path": "tests"}).splitlines())
+        env.call("write_file", {"path": test, "content": "import unittest\n"})
+        assert env.call("run_tests", {}).startswith("exit code")
+        assert not env.check("done")
+    finally:
+        env.close()
+
+
+def test_coding_tools_are_confined_to_the_repository():
+    env = S.suite_tasks("coding", 1)[0].open()
+    try:
+        assert env.call("read_file", {"path": "../../etc/passwd"}).startswith("error:") and "outside" in \
+            env.call("read_file", {"path": "/etc/passwd"})
+        assert "outside" in env.call("write_file", {"path": "../escape.txt", "content": "x"})
+        assert not (env.root.parent / "escape.txt").exists()
+        assert "not allowed" in env.call("run", {"command": "rm -rf /"})
+        assert "not allowed" in env.call("run", {"command": "bash -c 'echo hi'"})
+        assert "cannot parse" in env.call("run", {"command": "python 'unterminated"})
+        assert "exactly once" in env.call("edit_file", {"path": next(iter(env.repo.files)), "old": "zzz", "new": "y"})
+        assert "missing argument" in env.call("read_file", {})
+        assert env.call("frobnicate", {}).startswith("error: unknown tool")
+    finally:
+        env.close()
+
+
+def test_sandbox_limits(tmp_path):
+    r = run_python(["-c", "while True: pass"], tmp_path, Limits(timeout_s=1))
+    assert r.timed_out and r.seconds < 5 and r.text().startswith("timed out")
+    r = run_python(["-c", "x = bytearray(3 * 1024**3)"], tmp_path, Limits(memory_mb=512))
+    assert r.returncode != 0 and "MemoryError" in r.stderr
+    r = run_python(["-c", "print('x' * 100000)"], tmp_path, Limits(output_chars=1000))
+    assert r.returncode == 0 and len(r.stdout) < 1100 and "truncated" in r.stdout
+    r = run_python(["-c", "import os; print(os.getcwd(), sorted(k for k in os.environ if k.startswith('PYTHON')))"],
+                   tmp_path)
+    assert r.stdout.split()[0] == str(tmp_path) and "[]" in r.stdout
+    # a child that forks a sleeper is killed with its whole process group
+    r = run_python(["-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; "
+                          "time.sleep(60)']); import time; time.sleep(60)"], tmp_path, Limits(timeout_s=1))
+    assert r.timed_out and r.seconds < 5
+    assert run_command("python3 -c 'print(7)'", tmp_path).stdout == "7\n"
+
+
+def test_humaneval_all_164_references_pass_and_trivial_answers_fail():
+    tasks = S.suite_tasks("humaneval", 500)
+    problems = S.humaneval_problems()
+    assert len(tasks) == 164 and len({t.id for t in tasks}) == 164
+    for ht, p in zip(tasks, problems, strict=True):
+        env = ht.open()
+        assert env.check(ht.reference[0]["content"]), ht.id                     # restated function, fenced
+        assert env.check(p["canonical_solution"]), ht.id                         # body only, continuing the prompt
+        assert not env.check(f"```python\n{p['prompt']}    return None\n```"), ht.id
+
+
+def test_humaneval_program_shapes():
+    p = {"prompt": "def f(x):\n    \"\"\"Double x.\"\"\"\n", "entry_point": "f",
+         "test": "def check(c):\n    assert c(2) == 4\n", "canonical_solution": "    return 2 * x\n"}
+    env = S.HumanEvalEnvironment(p, Limits())
+    assert env.check("Here it is:\n```python\ndef f(x):\n    return x + x\n```\nDone.")
+    assert env.check("```py\ndef f(x):\n    return x * 2")           # an unterminated fence still counts
+    assert env.check("    return x * 2\n")
+    assert not env.check("```python\ndef f(x):\n    return x\n```")
+    assert not env.check("```python\nimport os\nos.system('echo hi')\n```")  # runs, but check(f) fails
+    quick = S.HumanEvalEnvironment(p, Limits(timeout_s=1))
+    assert not quick.check("```python\ndef f(x):\n    while True:\n        pass\n```")  # killed at the limit
+
+
+def test_faulty_calculator_misleads_once():
+    ht = next(t for t in S.suite_tasks("tools", 4) if "calc_faulty" in t.id)
+    env = ht.open()
+    first = json.loads(ht.reference[0]["tool_calls"][0]["function"]["arguments"])
+    wrong, right = env.call("calculator", first), env.call("calculator", first)
+    assert int(wrong) == int(right) + 1000
+    assert env.check(ht.reference[-1]["content"]) and not env.check("no idea")
+
+
+def test_unknown_suite_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown suite 'cooking'; choose from tools, memory, coding, humaneval"):
+        S.suite_tasks("cooking", 1)
