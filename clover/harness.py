@@ -198,6 +198,9 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
         record["tool_s"] = 0.0
         record["harness_s"] = time.perf_counter() - t_step - reply["model_s"]
         steps.append(record)
+        if _malformed(reply):  # a call was attempted but could not be parsed: not a final answer
+            reason = "invalid_tool_call"
+            break
         answer = reply["content"]
         t_check = time.perf_counter()
         reason = "success" if env.check(answer) else "wrong_answer"
@@ -233,7 +236,12 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
     elif results_path.exists():
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metadata.json").write_text(json.dumps(_metadata(cfg), indent=2) + "\n")
+    meta = _metadata(cfg)
+    if previous and (out / "metadata.json").is_file():  # a resumed run keeps its first metadata, notes each resume
+        first = json.loads((out / "metadata.json").read_text())
+        first.setdefault("resumed", []).append({k: meta[k] for k in ("date", "commit")})
+        meta = first
+    (out / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
     tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite)]
     done = {(r["task"], r["condition"], r["run"]) for r in previous}
     # cold: the first task run this harness sends to an endpoint (a resumed run's endpoints are warm)
@@ -329,6 +337,9 @@ def summarise(results: list[dict], runs: int) -> dict:
         for r in quality:
             by_task.setdefault(r["task"], []).append(r["success"])
         calls = sum(r["tool_calls"] for r in quality)
+        malformed = sum(r["malformed"] for r in quality)
+        invalid = sum(r["tool_calls"] - r["valid_tool_args"] for r in quality)
+        cold = [r for r in rows if r.get("cold")]
         out[cname] = {
             "endpoint": rows[0]["endpoint"], "params": rows[0]["params"],
             "task_runs": len(rows), "quality_runs": n, "success_mean": p,
@@ -337,12 +348,16 @@ def summarise(results: list[dict], runs: int) -> dict:
             f"pass^{runs}": (sum(all(v) for v in by_task.values()) / len(by_task)) if by_task else None,
             "reasons": {k: sum(r["reason"] == k for r in rows) for k in REASONS},
             "valid_tool_arg_rate": (sum(r["valid_tool_args"] for r in quality) / calls) if calls else None,
-            "tool_calls": calls, "malformed": sum(r["malformed"] for r in quality),
+            # formatting stability: an attempted call is a parsed call or tool-call markup left in the text
+            "tool_calls": calls, "invalid_calls": invalid, "leaked_markup": malformed - invalid,
+            "malformed": malformed, "malformed_rate": malformed / (calls + malformed - invalid)
+            if calls + malformed - invalid else None,
             **{k: _dist([r[k] for r in quality]) for k in ("model_s", "tool_s", "harness_s", "total_s")},
             "ttft_s": _dist([t for r in quality for t in r["ttft_s"]]),
             **_speed(quality),
-            "cold_total_s": [r["total_s"] for r in rows if r.get("cold")],
-            "warm_total_s": _dist([r["total_s"] for r in quality if not r.get("cold")]),
+            "cold": [{"task": r["task"], "total_s": r["total_s"], "warm_total_s": _dist(
+                [w["total_s"] for w in quality if w["task"] == r["task"] and not w.get("cold")])["median"]}
+                for r in cold],
             "by_suite": {s: {"success_mean": sum(r["success"] for r in sub) / len(sub), "task_runs": len(sub),
                              "total_s": _dist([r["total_s"] for r in sub])["median"], **_speed(sub)}
                          for s in dict.fromkeys(r["suite"] for r in quality)
@@ -393,17 +408,20 @@ def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dic
               "|---|" + "---|" * len(REASONS)]
     for cname, s in summary.items():
         lines.append(f"| {cname} | " + " | ".join(str(s["reasons"][r]) for r in REASONS) + " |")
-    lines += ["", "Formatting stability per block size (malformed: a tool call whose arguments are not a JSON object "
-              "or that names no tool of the task, or tool-call markup left in the text):", "",
-              "| condition | block size | tool calls | malformed | malformed per call |", "|---|---|---|---|---|"]
+    lines += ["", "Formatting stability per block size. An attempted call is a parsed tool call or tool-call markup "
+              "the server could not parse (left in the text); it is malformed when the markup leaked or the "
+              "arguments are not a JSON object or name no tool of the task:", "",
+              "| condition | block size | parsed calls | invalid arguments | leaked markup | malformed per attempted call |",
+              "|---|---|---|---|---|---|"]
     order = [e.name for e in cfg.endpoints]
     for cname, s in sorted(summary.items(), key=lambda kv: (order.index(kv[1]["endpoint"]),
                                                             _block_order(kv[1]["params"]))):
-        rate = s["malformed"] / s["tool_calls"] if s["tool_calls"] else None
-        lines.append(f"| {cname} | {_block_label(s['params'])} | {s['tool_calls']} | {s['malformed']} | {f(rate)} |")
-    lines += ["", "Cold start (the first task run sent to each endpoint) against warm task runs (median total s):", ""]
-    lines += [f"- {c}: cold {s['cold_total_s'][0]:.2f} s, warm median {f(s['warm_total_s']['median'], 2)} s"
-              for c, s in summary.items() if s["cold_total_s"]]
+        lines.append(f"| {cname} | {_block_label(s['params'])} | {s['tool_calls']} | {s['invalid_calls']} | "
+                     f"{s['leaked_markup']} | {f(s['malformed_rate'])} |")
+    lines += ["", "Cold start: the first task run this harness sent to each endpoint, against the warm runs of the same "
+              "task and condition (total seconds):", ""]
+    lines += [f"- {c}, {x['task']}: cold {x['total_s']:.2f} s, warm median {f(x['warm_total_s'], 2)} s"
+              for c, s in summary.items() for x in s["cold"]]
     lines.append("")
     if _plots(out, summary, results):
         lines += ["![latency layers](latency_layers.png)", "", "![success against time](success_vs_time.png)", "",

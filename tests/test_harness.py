@@ -57,6 +57,8 @@ def scripted_app(mode):
         calls_out = [dict(c, id=f"c{i}") for i, c in enumerate(turn.get("tool_calls") or [])]
         if mode == "wrong":  # answers at once, without acting
             content, calls_out = "I do not know.", []
+        if mode == "leaky" and calls_out:  # the call's markup reaches the text unparsed
+            content, calls_out = '<tool_call>\n{"name": "calculator", "arguments": {"expr', []
         if mode == "malformed" and calls_out:
             calls_out[0] = {**calls_out[0], "function": {**calls_out[0]["function"], "arguments": "{not json"}}
 
@@ -141,17 +143,20 @@ def test_endpoints_side_by_side(endpoint, tmp_path):
     results = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     assert [(r["endpoint"], r["cold"]) for r in results if r["cold"]] == [("oracle", True), ("lazy", True)]
     report = (tmp_path / "run" / "report.md").read_text()
-    assert "`oracle`" in report and "`lazy`" in report and "| lazy: block_size=8 | 8 | 0 | 0 |" in report
+    assert "`oracle`" in report and "`lazy`" in report and "| lazy: block_size=8 | 8 | 0 | 0 | 0 | n/a |" in report
+    assert summary["oracle: block_size=8"]["cold"][0]["task"] == results[0]["task"]
 
 
 def test_malformed_calls_are_counted_per_condition(endpoint, tmp_path):
-    url, _ = endpoint("malformed")
-    cfg = _cfg(url, suites=("coding",))
+    cfg = _cfg(endpoint("malformed")[0], suites=("coding",))
     cfg.runs = 1
-    summary = harness.run_harness(cfg, tmp_path / "run")
-    for s in summary.values():
-        assert s["malformed"] == s["tool_calls"] == 4 and s["valid_tool_arg_rate"] == 0.0
-        assert s["reasons"]["invalid_tool_call"] == 4
+    for s in harness.run_harness(cfg, tmp_path / "run").values():
+        assert s["malformed"] == s["invalid_calls"] == s["tool_calls"] == 4 and s["valid_tool_arg_rate"] == 0.0
+        assert s["leaked_markup"] == 0 and s["malformed_rate"] == 1.0 and s["reasons"]["invalid_tool_call"] == 4
+    cfg.endpoints = [harness.Endpoint(endpoint("leaky")[0], "m")]
+    for s in harness.run_harness(cfg, tmp_path / "leaky").values():
+        assert s["leaked_markup"] == s["malformed"] == 4 and s["tool_calls"] == s["invalid_calls"] == 0
+        assert s["malformed_rate"] == 1.0 and s["reasons"]["invalid_tool_call"] == 4
 
 
 @pytest.mark.parametrize("mode,reason", [("wrong", "wrong_answer"), ("malformed", "invalid_tool_call"),
@@ -180,9 +185,13 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
     (cut / "results.jsonl").write_text("\n".join(lines[:37]) + "\n" + lines[37][:50])
     resumed = harness.run_harness(_cfg(url), cut, resume=True)
     timing = ("_s", "tokens_per_s")
-    strip = lambda s: {c: {k: v for k, v in d.items() if not k.endswith(timing) and k != "by_suite"}  # noqa: E731
+    strip = lambda s: {c: {k: v for k, v in d.items() if not k.endswith(timing) and k not in ("by_suite", "cold")}  # noqa: E731
                        for c, d in s.items()}
     assert strip(resumed) == strip(whole)
+    assert [[x["task"] for x in d["cold"]] for d in resumed.values()] == [[x["task"] for x in d["cold"]]
+                                                                          for d in whole.values()]
+    meta = json.loads((cut / "metadata.json").read_text())
+    assert len(meta["resumed"]) == 1 and meta["date"] <= meta["resumed"][0]["date"]
     assert {c: {s: b["success_mean"] for s, b in d["by_suite"].items()} for c, d in resumed.items()} == \
         {c: {s: b["success_mean"] for s, b in d["by_suite"].items()} for c, d in whole.items()}
     assert len((cut / "results.jsonl").read_text().splitlines()) == 64
