@@ -426,6 +426,8 @@ def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dic
     if _plots(out, summary, results):
         lines += ["![latency layers](latency_layers.png)", "", "![success against time](success_vs_time.png)", "",
                   "![dispersion per task](dispersion.png)", ""]
+    if (out / "notes.md").is_file():  # a hand-written reading, kept when the report is written again
+        lines += ["## Reading", "", (out / "notes.md").read_text().strip(), ""]
     (out / "report.md").write_text("\n".join(lines))
 
 
@@ -479,9 +481,10 @@ def _success_vs_time(plt: object, out: Path, summary: dict) -> None:
     for i, (key, pts) in enumerate(series.items()):
         pts.sort()
         ax.plot([p[1] for p in pts], [p[2] for p in pts], "o-", color=f"C{i}", label=key)
-        for size, x, y in pts:
-            if size > 0:
-                ax.annotate(f"b={size}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        for j, (size, x, y) in enumerate(pts):
+            if size > 0:  # staggered, so that labels of nearby points stay readable
+                ax.annotate(f"b={size}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3 + 9 * j),
+                            color=f"C{i}")
     ax.set(xlabel="median total seconds per task run", ylabel="success rate", title="success against time across "
            "block sizes", ylim=(-0.05, 1.05))
     ax.legend(fontsize=7)

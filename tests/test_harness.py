@@ -183,7 +183,9 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
     lines = (cut / "results.jsonl").read_text().splitlines()
     # as if killed after 37 task runs, in the middle of writing the 38th
     (cut / "results.jsonl").write_text("\n".join(lines[:37]) + "\n" + lines[37][:50])
+    (cut / "notes.md").write_text("Read by hand: all well.\n")
     resumed = harness.run_harness(_cfg(url), cut, resume=True)
+    assert (cut / "report.md").read_text().endswith("## Reading\n\nRead by hand: all well.\n")
     timing = ("_s", "tokens_per_s")
     strip = lambda s: {c: {k: v for k, v in d.items() if not k.endswith(timing) and k not in ("by_suite", "cold")}  # noqa: E731
                        for c, d in s.items()}
