@@ -52,13 +52,13 @@ def _truncate(text: str, limit: int) -> str:
 def _limit(limits: Limits) -> None:  # runs in the child between fork and exec
     if resource is None:
         return
-    mem = limits.memory_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     cpu = int(limits.timeout_s) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    fsize = limits.file_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    for which, value in ((resource.RLIMIT_AS, limits.memory_mb * 2**20), (resource.RLIMIT_CPU, cpu),
+                         (resource.RLIMIT_FSIZE, limits.file_mb * 2**20), (resource.RLIMIT_NOFILE, 64)):
+        try:
+            resource.setrlimit(which, (value, value))
+        except (ValueError, OSError):  # a platform that refuses one (macOS and RLIMIT_AS): the others still hold
+            pass
 
 
 def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits()) -> Completed:
