@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -227,10 +228,21 @@ class SandboxRepo:
         return f"error: unknown tool {name}"
 
     def check(self, answer: str) -> bool:
+        """The hidden tests, written only now and outside the repository, run in isolated mode with the
+        repository appended after the standard library (a repository `unittest.py` cannot shadow it);
+        success needs a per-check token printed after every test passed, so code that exits early
+        with status 0 does not pass."""
         if not all(part in answer for part in self.repo.answer_parts):
             return False
-        (self.root / "hidden_acceptance_test.py").write_text(self.repo.hidden_tests)
-        return run_python(["-m", "unittest", "hidden_acceptance_test"], self.root, self.limits).returncode == 0
+        token = secrets.token_hex(16)
+        runner = (f"import os, sys, unittest\nsys.path.append(os.getcwd())\n\n{self.repo.hidden_tests}\n\n"
+                  "result = unittest.TextTestRunner(verbosity=0).run(unittest.defaultTestLoader."
+                  "loadTestsFromTestCase(Test))\n"
+                  f"print({token!r} if result.wasSuccessful() and result.testsRun else 'failed')\n")
+        with tempfile.TemporaryDirectory(prefix="clover-hidden-") as d:
+            (Path(d) / "acceptance.py").write_text(runner)
+            done = run_python(["-I", str(Path(d) / "acceptance.py")], self.root, self.limits)
+        return done.returncode == 0 and token in done.stdout.splitlines()
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -437,6 +449,16 @@ def humaneval_program(problem: dict, reply: str) -> str:
     return f"{head}{code}\n\n{problem['test']}\n\ncheck({entry})\n"
 
 
+def run_program(program: str, limits: Limits) -> bool:
+    """True when the program runs to its end: a per-run token printed after it must appear, so code
+    that exits early with status 0 does not pass."""
+    token = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="clover-humaneval-") as d:
+        (Path(d) / "solution.py").write_text(f"{program}\nprint({token!r})\n")
+        done = run_python(["-I", "solution.py"], d, limits)
+    return done.returncode == 0 and token in done.stdout.splitlines()
+
+
 class HumanEvalEnvironment:
     def __init__(self, problem: dict, limits: Limits) -> None:
         self.problem, self.limits = problem, limits
@@ -445,9 +467,7 @@ class HumanEvalEnvironment:
         return f"error: unknown tool {name}"
 
     def check(self, answer: str) -> bool:
-        with tempfile.TemporaryDirectory(prefix="clover-humaneval-") as d:
-            (Path(d) / "solution.py").write_text(humaneval_program(self.problem, answer))
-            return run_python(["solution.py"], d, self.limits).returncode == 0
+        return run_program(humaneval_program(self.problem, answer), self.limits)
 
     def close(self) -> None:
         pass

@@ -61,6 +61,13 @@ def _limit(limits: Limits) -> None:  # runs in the child between fork and exec
             pass
 
 
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group has already ended
+        pass
+
+
 def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits()) -> Completed:
     """`python ARGS...` with this interpreter in `cwd`: PYTHON* variables and the user site ignored, and
     no bytecode written (an edit within the same second as a cached import would otherwise be missed)."""
@@ -74,11 +81,9 @@ def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits()) -> C
         out, err = proc.communicate(timeout=limits.timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc.pid)
         out, err = proc.communicate()
+    _kill_group(proc.pid)  # whatever the program left running in the background goes too
     return Completed(proc.returncode, _truncate(out, limits.output_chars), _truncate(err, limits.output_chars),
                      time.perf_counter() - t0, timed_out)
 

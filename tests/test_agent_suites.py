@@ -3,11 +3,20 @@ tests decide the coding tasks; all 164 HumanEval references pass and trivial ans
 code is confined (paths, commands, time, memory, output size)."""
 
 import json
+import time
 
 import pytest
 
 from clover import agent_suites as S
 from clover.sandbox import Limits, run_command, run_python
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie awaiting its parent is dead
+    except FileNotFoundError:
+        return False
 
 
 def _replay(env, turns):
@@ -64,6 +73,22 @@ def test_a_wrong_fix_fails_the_hidden_tests():
         env.close()
 
 
+def test_hidden_tests_cannot_be_faked_by_an_early_exit_or_a_shadowing_module():
+    ht = next(t for t in S.suite_tasks("coding", 8) if "fix_bug" in t.id)
+    env = ht.open()
+    try:
+        pkg = ht.prompt[1]["content"].split("`")[1]
+        env.call("write_file", {"path": f"{pkg}/__init__.py", "content": "import os\nos._exit(0)\n"})
+        assert not env.check("done")
+        env.call("write_file", {"path": f"{pkg}/__init__.py", "content": ""})
+        env.call("write_file", {"path": "unittest.py", "content": "import sys\nsys.exit(0)\n"})
+        assert not env.check("done")   # the bug is still there, and the fake unittest is not imported
+        _replay(env, ht.reference)
+        assert env.check("done")       # the real fix passes with the stray file present
+    finally:
+        env.close()
+
+
 def test_coding_tools_are_confined_to_the_repository():
     env = S.suite_tasks("coding", 1)[0].open()
     try:
@@ -96,6 +121,13 @@ def test_sandbox_limits(tmp_path):
                           "time.sleep(60)']); import time; time.sleep(60)"], tmp_path, Limits(timeout_s=1))
     assert r.timed_out and r.seconds < 5
     assert run_command("python3 -c 'print(7)'", tmp_path).stdout == "7\n"
+    # a background process left behind by a program that ended in time is killed too
+    r = run_python(["-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+                          "time.sleep(60)'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)"],
+                   tmp_path)
+    pid = int(r.stdout)
+    time.sleep(0.2)
+    assert not r.timed_out and not _alive(pid)
 
 
 def test_humaneval_all_164_references_pass_and_trivial_answers_fail():
@@ -118,6 +150,8 @@ def test_humaneval_program_shapes():
     assert env.check("    return x * 2\n")
     assert not env.check("```python\ndef f(x):\n    return x\n```")
     assert not env.check("```python\nimport os\nos.system('echo hi')\n```")  # runs, but check(f) fails
+    assert not env.check("```python\nimport os\nos._exit(0)\n```")         # exits early with status 0
+    assert not env.check("```python\nraise SystemExit(0)\n```")
     quick = S.HumanEvalEnvironment(p, Limits(timeout_s=1))
     assert not quick.check("```python\ndef f(x):\n    while True:\n        pass\n```")  # killed at the limit
 
