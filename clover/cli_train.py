@@ -1,4 +1,4 @@
-"""`clover data build`, `clover train` and `clover plot`."""
+"""`clover data build`, `clover train`, `clover plot`, `clover eval` and `clover bench`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ import time
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clover.chat import DEFAULT_CHAT_TEMPLATE, render_chat
 from clover.data import build_corpus, encode_corpus, read_raw
 from clover.tokenizer import Tokenizer
 from clover.train import TrainConfig, train
+
+if TYPE_CHECKING:
+    from clover.harness import Endpoint
 
 
 def cmd_data_build(args: argparse.Namespace) -> int:
@@ -148,7 +152,7 @@ def add_plot_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plot)
 
 
-def parse_endpoints(urls: list[str], models: list[str], api_key: str | None) -> list:
+def parse_endpoints(urls: list[str], models: list[str], api_key: str | None) -> list[Endpoint]:
     """`--endpoint [NAME=]URL` (repeatable) with one `--model` for all or one per endpoint."""
     from clover.harness import Endpoint
 
