@@ -121,6 +121,7 @@ def make_faulty_calc(seed: int) -> synthetic.Task:
 
 class ToolsSuite:
     name = "tools"
+    default_count = 12
     families = ("calc", "notes", "files", "calc_faulty")
 
     def tasks(self, count: int) -> list[HarnessTask]:
@@ -137,6 +138,7 @@ class ToolsSuite:
 
 class MemorySuite:
     name = "memory"
+    default_count = 12
 
     def tasks(self, count: int) -> list[HarnessTask]:
         out = []
@@ -411,6 +413,7 @@ CODING_SYSTEM = ("You are a coding agent working in a small Python repository. U
 
 class CodingSuite:
     name = "coding"
+    default_count = 8
 
     def __init__(self, limits: Limits = CODING_LIMITS) -> None:
         self.limits = limits
@@ -484,6 +487,7 @@ def humaneval_problems() -> list[dict]:
 
 class HumanEvalSuite:
     name = "humaneval"
+    default_count = 164
 
     def __init__(self, limits: Limits = HUMANEVAL_LIMITS) -> None:
         self.limits = limits
@@ -501,7 +505,8 @@ class HumanEvalSuite:
 SUITES = {s.name: s for s in (ToolsSuite, MemorySuite, CodingSuite, HumanEvalSuite)}
 
 
-def suite_tasks(suite: str, count: int) -> list[HarnessTask]:
+def suite_tasks(suite: str, count: int | None = None) -> list[HarnessTask]:
+    """`count` tasks of `suite` (default: the suite's own size: every family equally, all 164 problems)."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
-    return SUITES[suite]().tasks(count)
+    return SUITES[suite]().tasks(SUITES[suite].default_count if count is None else count)

@@ -47,7 +47,7 @@ class Endpoint:
 class HarnessConfig:
     endpoints: list[Endpoint]
     suites: tuple[str, ...] = ("tools", "memory")
-    tasks_per_suite: int = 10
+    tasks_per_suite: int | None = None   # None: each suite's default size
     runs: int = 3
     conditions: list[dict] = field(default_factory=lambda: [{}])   # extra body fields per condition
     step_limit: int = 40   # memory tasks need up to 33 turns
@@ -62,7 +62,7 @@ class HarnessConfig:
             raise ValueError("give at least one endpoint")
         if len({e.name for e in self.endpoints}) != len(self.endpoints):
             raise ValueError("endpoint names must differ; label them with name=URL")
-        if self.runs < 1 or self.tasks_per_suite < 1 or self.step_limit < 1:
+        if self.runs < 1 or (self.tasks_per_suite is not None and self.tasks_per_suite < 1) or self.step_limit < 1:
             raise ValueError("runs, tasks per suite and the step limit must be at least 1")
         if not all(isinstance(c, dict) for c in self.conditions):
             raise ValueError("each condition must be a JSON object of extra body fields")
@@ -383,8 +383,9 @@ def _block_label(params: dict) -> str:
 def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dict]) -> None:
     k, f = cfg.runs, _fmt
     eps = ", ".join(f"`{e.name}` ({e.url}, model `{e.model}`)" for e in cfg.endpoints)
-    lines = ["# Agent evaluation report", "", f"Endpoints: {eps}. Suites {', '.join(cfg.suites)} "
-             f"({cfg.tasks_per_suite} tasks each), {cfg.runs} run(s) per task and condition, step limit "
+    suites = ", ".join(f"{s} ({len({r['task'] for r in results if r['suite'] == s})} tasks)" for s in cfg.suites)
+    lines = ["# Agent evaluation report", "", f"Endpoints: {eps}. Suites: {suites}; "
+             f"{cfg.runs} run(s) per task and condition, step limit "
              f"{cfg.step_limit}, max_tokens {cfg.max_tokens}, thinking {'on' if cfg.thinking else 'off'}, temperature 0. "
              "Conditions and machine: `metadata.json`; every step of every task run: `tasks/`.", "",
              "| condition | task runs | success (± s.e.) | pass@k | pass^k | valid tool args | model s (median / p90) "
