@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from clover import synthetic
-from clover.sandbox import Limits, run_command, run_python
+from clover.sandbox import Limits, run_command, runs_to_completion
 
 MEMORY_STEPS = (2, 8, 32)
 # test-range seeds that the model card's evaluation (`clover eval tasks`) does not use
@@ -231,20 +230,14 @@ class SandboxRepo:
 
     def check(self, answer: str) -> bool:
         """The hidden tests, written only now and outside the repository, run in isolated mode with the
-        repository appended after the standard library (a repository `unittest.py` cannot shadow it);
-        success needs a per-check token printed after every test passed, so code that exits early
-        with status 0 does not pass."""
+        repository appended after the standard library (a repository `unittest.py` cannot shadow it)."""
         if not all(part in answer for part in self.repo.answer_parts):
             return False
-        token = secrets.token_hex(16)
         runner = (f"import os, sys, unittest\nsys.path.append(os.getcwd())\n\n{self.repo.hidden_tests}\n\n"
                   "result = unittest.TextTestRunner(verbosity=0).run(unittest.defaultTestLoader."
                   "loadTestsFromTestCase(Test))\n"
-                  f"print({token!r} if result.wasSuccessful() and result.testsRun else 'failed')\n")
-        with tempfile.TemporaryDirectory(prefix="clover-hidden-") as d:
-            (Path(d) / "acceptance.py").write_text(runner)
-            done = run_python(["-I", str(Path(d) / "acceptance.py")], self.root, self.limits)
-        return done.returncode == 0 and token in done.stdout.splitlines()
+                  "if not (result.wasSuccessful() and result.testsRun):\n    sys.exit(1)\n")
+        return runs_to_completion(runner, self.root, self.limits)
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -299,50 +292,57 @@ def _navigate(rng: random.Random) -> Repo:
     return Repo(files, hidden, prompt, reference, (path,))
 
 
-# (function, buggy body line, fixed body line, docstring, argument generator, the correct function)
-_BUGS: list[tuple[str, str, str, str, Callable[[random.Random], str], Callable[..., Any]]] = [
-    ("total", "return sum(xs[1:])", "return sum(xs)", "Sum of all the numbers in xs.",
-     lambda r: repr([r.randint(-9, 50) for _ in range(r.randint(2, 6))]), sum),
-    ("largest", "return sorted(xs)[0]", "return sorted(xs)[-1]", "The largest number in xs.",
-     lambda r: repr([r.randint(-9, 50) for _ in range(r.randint(2, 6))]), max),
-    ("is_even", "return n % 2 == 1", "return n % 2 == 0", "True when n is even.",
-     lambda r: str(r.randint(-50, 50)), lambda n: n % 2 == 0),
-    ("count_vowels", "return sum(c in 'aeiou' for c in text[:-1])", "return sum(c in 'aeiou' for c in text)",
-     "How many of the characters of text are lower-case vowels.",
-     lambda r: repr(r.choice(synthetic.WORDS) + r.choice("aeiou")), lambda t: sum(c in "aeiou" for c in t)),
-    ("clamp", "return max(x, min(lo, hi))", "return max(lo, min(x, hi))", "x limited to the range [lo, hi].",
-     lambda r: f"{r.randint(-20, 40)}, 0, {r.randint(5, 20)}", lambda x, lo, hi: max(lo, min(x, hi))),
-]
+@dataclass(frozen=True)
+class _Bug:
+    fn: str
+    params: str
+    bad: str                                   # the buggy body line
+    fixed: str                                 # the body line that fixes it
+    doc: str
+    gen: Callable[[random.Random], str]        # arguments for one call, as source text
+    good: Callable[..., Any]                   # the correct function, for the expected values
 
-
-def _bug_cases(rng: random.Random, fn: str, gen: Callable[[random.Random], str], good: Callable[..., Any],
-               bad: str, fixed: str, n: int) -> list[str]:
-    """n test cases on which the buggy and the fixed function disagree at least once."""
-    def run(line: str, args: str) -> Any:
+    def run(self, line: str, args: str) -> Any:
         env: dict = {}
-        exec(f"def f({_PARAMS[fn]}):\n    {line}", env)  # the generator's own templates, not model output
+        exec(f"def f({self.params}):\n    {line}", env)  # the generator's own templates, not model output
         return eval(f"f({args})", env)
-    cases: list[str] = []
-    while len(cases) < n or all(run(bad, a) == run(fixed, a) for a in cases):
-        cases = [gen(rng) for _ in range(n)]
-    return [f"self.assertEqual({fn}({a}), {good(*eval(f'({a},)'))!r})" for a in cases]
+
+    def cases(self, rng: random.Random, n: int) -> list[str]:
+        """n test cases on which the buggy and the fixed function disagree at least once."""
+        args: list[str] = []
+        while len(args) < n or all(self.run(self.bad, a) == self.run(self.fixed, a) for a in args):
+            args = [self.gen(rng) for _ in range(n)]
+        return [f"self.assertEqual({self.fn}({a}), {self.good(*eval(f'({a},)'))!r})" for a in args]
 
 
-_PARAMS = {"total": "xs", "largest": "xs", "is_even": "n", "count_vowels": "text", "clamp": "x, lo, hi"}
+_BUGS = [
+    _Bug("total", "xs", "return sum(xs[1:])", "return sum(xs)", "Sum of all the numbers in xs.",
+         lambda r: repr([r.randint(-9, 50) for _ in range(r.randint(2, 6))]), sum),
+    _Bug("largest", "xs", "return sorted(xs)[0]", "return sorted(xs)[-1]", "The largest number in xs.",
+         lambda r: repr([r.randint(-9, 50) for _ in range(r.randint(2, 6))]), max),
+    _Bug("is_even", "n", "return n % 2 == 1", "return n % 2 == 0", "True when n is even.",
+         lambda r: str(r.randint(-50, 50)), lambda n: n % 2 == 0),
+    _Bug("count_vowels", "text", "return sum(c in 'aeiou' for c in text[:-1])",
+         "return sum(c in 'aeiou' for c in text)", "How many of the characters of text are lower-case vowels.",
+         lambda r: repr(r.choice(synthetic.WORDS) + r.choice("aeiou")), lambda t: sum(c in "aeiou" for c in t)),
+    _Bug("clamp", "x, lo, hi", "return max(x, min(lo, hi))", "return max(lo, min(x, hi))",
+         "x limited to the range [lo, hi].", lambda r: f"{r.randint(-20, 40)}, 0, {r.randint(5, 20)}",
+         lambda x, lo, hi: max(lo, min(x, hi))),
+]
 
 
 def _fix_bug(rng: random.Random) -> Repo:
     pkg, mod, other = rng.sample(synthetic.WORDS, 3)
-    fn, bad, fixed, doc, gen, good = rng.choice(_BUGS)
+    bug = rng.choice(_BUGS)
     path = f"{pkg}/{mod}.py"
     files = {f"{pkg}/__init__.py": "",
-             path: f'def {fn}({_PARAMS[fn]}):\n    """{doc}"""\n    {bad}\n',
+             path: f'def {bug.fn}({bug.params}):\n    """{bug.doc}"""\n    {bug.bad}\n',
              f"{pkg}/{other}.py": f'def greet_{other}(name):\n    return "hello " + name\n',
-             "tests/test_" + mod + ".py": _test_file(f"from {pkg}.{mod} import {fn}",
-                                                     _bug_cases(rng, fn, gen, good, bad, fixed, 2))}
-    hidden = _test_file(f"from {pkg}.{mod} import {fn}", _bug_cases(rng, fn, gen, good, bad, fixed, 5))
-    reference = [_act("run_tests"), _act("read_file", path=path), _act("edit_file", path=path, old=bad, new=fixed),
-                 _act("run_tests"), _say(f"Fixed `{fn}` in {path}; the tests pass.")]
+             "tests/test_" + mod + ".py": _test_file(f"from {pkg}.{mod} import {bug.fn}", bug.cases(rng, 2))}
+    hidden = _test_file(f"from {pkg}.{mod} import {bug.fn}", bug.cases(rng, 5))
+    reference = [_act("run_tests"), _act("read_file", path=path),
+                 _act("edit_file", path=path, old=bug.bad, new=bug.fixed), _act("run_tests"),
+                 _say(f"Fixed `{bug.fn}` in {path}; the tests pass.")]
     prompt = (f"The tests in tests/test_{mod}.py fail. Find the bug in the package `{pkg}` and fix it so that the "
               "tests pass. Do not change the tests.")
     return Repo(files, hidden, prompt, reference)
@@ -452,16 +452,6 @@ def humaneval_program(problem: dict, reply: str) -> str:
     return f"{head}{code}\n\n{problem['test']}\n\ncheck({entry})\n"
 
 
-def run_program(program: str, limits: Limits) -> bool:
-    """True when the program runs to its end: a per-run token printed after it must appear, so code
-    that exits early with status 0 does not pass."""
-    token = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="clover-humaneval-") as d:
-        (Path(d) / "solution.py").write_text(f"{program}\nprint({token!r})\n")
-        done = run_python(["-I", "solution.py"], d, limits)
-    return done.returncode == 0 and token in done.stdout.splitlines()
-
-
 class HumanEvalEnvironment:
     def __init__(self, problem: dict, limits: Limits) -> None:
         self.problem, self.limits = problem, limits
@@ -470,7 +460,7 @@ class HumanEvalEnvironment:
         return f"error: unknown tool {name}"
 
     def check(self, answer: str) -> bool:
-        return run_program(humaneval_program(self.problem, answer), self.limits)
+        return runs_to_completion(humaneval_program(self.problem, answer), limits=self.limits)
 
     def close(self) -> None:
         pass
@@ -505,8 +495,12 @@ class HumanEvalSuite:
 SUITES = {s.name: s for s in (ToolsSuite, MemorySuite, CodingSuite, HumanEvalSuite)}
 
 
-def suite_tasks(suite: str, count: int | None = None) -> list[HarnessTask]:
-    """`count` tasks of `suite` (default: the suite's own size: every family equally, all 164 problems)."""
+def check_suite(suite: str) -> None:
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+
+
+def suite_tasks(suite: str, count: int | None = None) -> list[HarnessTask]:
+    """`count` tasks of `suite` (default: the suite's own size: every family equally, all 164 problems)."""
+    check_suite(suite)
     return SUITES[suite]().tasks(SUITES[suite].default_count if count is None else count)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from clover.agent_suites import Environment, HarnessTask, suite_tasks
+from clover.agent_suites import Environment, HarnessTask, check_suite, suite_tasks
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
            "infrastructure_error")
@@ -66,6 +66,8 @@ class HarnessConfig:
             raise ValueError("runs, tasks per suite and the step limit must be at least 1")
         if not all(isinstance(c, dict) for c in self.conditions):
             raise ValueError("each condition must be a JSON object of extra body fields")
+        for suite in self.suites:
+            check_suite(suite)
 
     def condition_name(self, endpoint: Endpoint, condition: dict) -> str:
         name = ",".join(f"{k}={v}" for k, v in sorted(condition.items())) or "default"
@@ -162,7 +164,8 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
             reason = "model_error"
             break
         usage = reply["usage"] or {}
-        malformed += _malformed(reply)
+        leaked = _malformed(reply)
+        malformed += leaked
         record = {"step": step, "model_s": reply["model_s"], "ttft_s": reply["ttft_s"],
                   "completion_tokens": usage.get("completion_tokens"), "nfe": usage.get("nfe"),
                   "finish_reason": reply["finish_reason"], "content": reply["content"][:2000],
@@ -198,7 +201,7 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
         record["tool_s"] = 0.0
         record["harness_s"] = time.perf_counter() - t_step - reply["model_s"]
         steps.append(record)
-        if _malformed(reply):  # a call was attempted but could not be parsed: not a final answer
+        if leaked:  # a call was attempted but could not be parsed: not a final answer
             reason = "invalid_tool_call"
             break
         answer = reply["content"]
@@ -235,6 +238,7 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
         previous = [json.loads(x) for x in whole]
     elif results_path.exists():
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite)]  # fails before any file is written
     out.mkdir(parents=True, exist_ok=True)
     meta = _metadata(cfg)
     if previous and (out / "metadata.json").is_file():  # a resumed run keeps its first metadata, notes each resume
@@ -242,7 +246,6 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
         first.setdefault("resumed", []).append({k: meta[k] for k in ("date", "commit")})
         meta = first
     (out / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
-    tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite)]
     done = {(r["task"], r["condition"], r["run"]) for r in previous}
     # cold: the first task run this harness sends to an endpoint (a resumed run's endpoints are warm)
     cold = {e.name: not any(r["endpoint"] == e.name for r in previous) for e in cfg.endpoints}
@@ -326,6 +329,11 @@ def _speed(rows: list[dict]) -> dict:
             "tpf": tokens / nfe if nfe else None}
 
 
+def _suite_summary(rows: list[dict]) -> dict:
+    return {"success_mean": sum(r["success"] for r in rows) / len(rows), "task_runs": len(rows),
+            "total_s": _dist([r["total_s"] for r in rows])["median"], **_speed(rows)}
+
+
 def summarise(results: list[dict], runs: int) -> dict:
     out = {}
     for cname in dict.fromkeys(r["condition"] for r in results):
@@ -358,10 +366,8 @@ def summarise(results: list[dict], runs: int) -> dict:
             "cold": [{"task": r["task"], "total_s": r["total_s"], "warm_total_s": _dist(
                 [w["total_s"] for w in quality if w["task"] == r["task"] and not w.get("cold")])["median"]}
                 for r in cold],
-            "by_suite": {s: {"success_mean": sum(r["success"] for r in sub) / len(sub), "task_runs": len(sub),
-                             "total_s": _dist([r["total_s"] for r in sub])["median"], **_speed(sub)}
-                         for s in dict.fromkeys(r["suite"] for r in quality)
-                         for sub in [[r for r in quality if r["suite"] == s]]},
+            "by_suite": {s: _suite_summary([r for r in quality if r["suite"] == s])
+                         for s in dict.fromkeys(r["suite"] for r in quality)},
         }
     return out
 

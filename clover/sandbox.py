@@ -9,10 +9,12 @@ against a hostile adversary: for that, run the harness inside a container or VM.
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,3 +100,15 @@ def run_command(command: str, cwd: str | Path, limits: Limits = Limits()) -> Com
         return Completed(127, "", f"command not allowed: {argv[0] if argv else '(empty)'}; only `python ...` runs "
                                   "here (e.g. `python -m unittest` or `python path/to/script.py`)", 0.0, False)
     return run_python(argv[1:], cwd, limits)
+
+
+def runs_to_completion(program: str, cwd: str | Path | None = None, limits: Limits = Limits()) -> bool:
+    """True when `program` (run isolated, `python -I`, from a temporary file outside `cwd`) reaches its
+    end: a per-run random token printed after it must appear, so code that exits early with status 0
+    does not pass. `cwd` defaults to the temporary directory."""
+    token = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="clover-run-") as d:
+        path = Path(d) / "program.py"
+        path.write_text(f"{program}\nprint({token!r})\n")
+        done = run_python(["-I", str(path)], cwd if cwd is not None else d, limits)
+    return done.returncode == 0 and token in done.stdout.splitlines()
