@@ -170,6 +170,24 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
+def _event(data: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _chunk_event(obj: str, rid: str, created: int, model: str, choices: list[dict], usage: dict | None = None) -> str:
+    """A streamed chunk of a chat (`chat.completion.chunk`) or text (`text_completion`) completion."""
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return _event(body)
+
+
+def _error_event(err: APIError) -> str:
+    """An error after the stream started (the status line is gone): the same body as an HTTP error."""
+    return _event({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+
+
 def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
@@ -430,11 +448,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices_: list[dict], usage: dict | None = None) -> str:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name,
-                    "choices": choices_}
-            if usage is not None:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
+            return _chunk_event("chat.completion.chunk", rid, created, cfg.model_name, choices_, usage)
 
         async def sse() -> AsyncIterator[str]:
             for c in choices:
@@ -453,8 +467,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                     if done:
                         yield chunk([{"index": c.index, "delta": {}, "finish_reason": finish_reason(c)}])
             except Exception as exc:  # noqa: BLE001 - reported in the stream, the headers are gone
-                err = _start_error(exc)
-                yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'code': err.code}})}\n\n"
+                yield _error_event(_start_error(exc))
                 return
             if include_usage:
                 yield chunk([], _usage(len(ids), choices))
@@ -503,11 +516,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
         async def sse() -> AsyncIterator[str]:
             def body(items: list[dict], usage: dict | None = None) -> str:
-                b = {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                     "choices": items}
-                if usage is not None:
-                    b["usage"] = usage
-                return f"data: {json.dumps(b)}\n\n"
+                return _chunk_event("text_completion", rid, created, cfg.model_name, items, usage)
 
             try:
                 async for i, ev in each():
@@ -515,9 +524,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                         choices[i].result = ev.result
                     yield body([{"index": i, "text": ev.text, "logprobs": None,
                                  "finish_reason": reason(ev.result) if ev.finished else None}])
-            except Exception as exc:  # noqa: BLE001
-                err = _start_error(exc)
-                yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type}})}\n\n"
+            except Exception as exc:  # noqa: BLE001 - reported in the stream, the headers are gone
+                yield _error_event(_start_error(exc))
                 return
             if include_usage:
                 yield body([], _usage(len(ids), choices))

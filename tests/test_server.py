@@ -369,3 +369,33 @@ def test_itl_split_and_percentiles():
     p = percentiles([float(i) for i in range(1, 101)])
     assert p["median"] == 50.5 and p["p90"] == 90.0 and p["p99"] == 99.0 and p["mean"] == 50.5
     assert percentiles([])["mean"] is None
+
+
+class _FailingModel(TextScriptModel):
+    """Writes its script, but the fourth forward pass fails (a lost device, say)."""
+
+    def causal(self, ids, cache, lengths, logits="all", rows=None):
+        self.forwards = getattr(self, "forwards", 0) + 1
+        if self.forwards > 3:
+            raise RuntimeError("device lost")
+        return super().causal(ids, cache, lengths, logits, rows)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "some"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_a_failure_after_the_stream_started_is_an_error_event_shaped_like_an_http_error(path, body):
+    from fastapi.testclient import TestClient
+
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    app = build_app(_FailingModel([5] * 20, config), tok, ServerConfig(model_name="m"),
+                    generation_defaults={"algorithm": "ar"})
+    with TestClient(app) as http:
+        r = http.post(path, json={"model": "m", "max_tokens": 10, "stream": True, **body})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        after = http.post(path, json={"model": "m", "max_tokens": 10, **body})
+    assert r.status_code == 200 and "data: [DONE]" not in r.text and "choices" in events[0]
+    assert events[-1] == {"error": {"message": "internal error: engine failure: device lost", "type": "server_error",
+                                    "param": None, "code": None}}
+    assert after.status_code == 500 and after.json() == events[-1]  # the same body as an HTTP error
