@@ -66,9 +66,9 @@ def test_a_wrong_fix_fails_the_hidden_tests():
         assert not env.check("done")
         # editing the visible tests into passing does not help: hidden tests decide
         test = next(p for p in env.call("list_files", {"path": "tests"}).splitlines())
-        env.call("write_file", {"path": test, "content": "import unittest\n"})
-        assert env.call("run_tests", {}).startswith("exit code")
-        assert not env.check("done")
+        assert env.call("write_file", {"path": test, "content": "import unittest\n"}) == "ok"
+        assert "FAIL" not in env.call("run_tests", {})  # the visible tests no longer fail...
+        assert not env.check("done")                     # ...but the hidden ones still do
     finally:
         env.close()
 
