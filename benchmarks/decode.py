@@ -1,12 +1,16 @@
-"""Decoding speed: block diffusion at several thresholds and block sizes against AR decoding of the
-same weights, and against transformers' greedy `generate` on the same backbone weights.
+"""Decoding speed: block diffusion at several thresholds and block sizes and lossless `verify` against
+AR decoding of the same weights, and against transformers' greedy `generate` on the same backbone weights.
 
-For each prompt length and batch size: tokens/s, TPF and engine overhead (wall time outside model
-forwards, as a share of the total) for `ar` and `low_confidence` (every block size x threshold),
-and tokens/s of transformers. Fixed output length (end-of-sequence ignored), greedy, same process.
-Prints its conditions, a table, and one JSON line last.
+For each prompt set and batch size: tokens/s, TPF and engine overhead (wall time outside model
+forwards, as a share of the total) for `ar`, `verify` (each drafting policy: `fused` check + preview
+in one forward, `separate` preview then check; with drafts kept per check) and `low_confidence`
+(every block size x threshold), and tokens/s of transformers. Prompt sets: `random` token prompts of
+each --prompt-lengths, `code` (Python openings) and `agent` (tool-use chat turns of the synthetic
+test tasks, through the chat template); the last two need the checkpoint's tokenizer. Fixed output
+length (end-of-sequence ignored), greedy, same process. Prints its conditions, a table, and one JSON
+line last.
 
-    python benchmarks/decode.py [--model DIR] [--quick]
+    python benchmarks/decode.py [--model DIR] [--prompts random,code,agent] [--quick]
 """
 
 from __future__ import annotations
@@ -19,12 +23,20 @@ import time
 
 import torch
 
+from clover import synthetic
 from clover.checkpoint import CheckpointError, default_model_dir, load_checkpoint
 from clover.config import CloverConfig
 from clover.engine import Engine
 from clover.model import CloverForCausalLM
+from clover.policies import VerifyPolicy
 from clover.sampling import SamplingParams
 from clover.testing import transformers_twin
+from clover.tokenizer import Tokenizer
+
+CODE = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
+        "def read_lines(path):\n    with open(path) as f:\n", "for i in range(10):\n",
+        "import json\n\n\ndef load(path):\n", "class Point:\n    def __init__(self, x, y):\n",
+        "def is_prime(n):\n    if n < 2:\n"]
 
 
 def _model(path: str | None) -> tuple[CloverForCausalLM, str]:
@@ -44,24 +56,58 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> di
     wall = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in results)
     nfe = sum(r.stats.nfe for r in results)
-    return {"tokens_per_s": tokens / wall, "tpf": tokens / nfe, "overhead": 1 - engine.forward_seconds / wall,
-            "wall_s": wall, "tokens": tokens}
+    out = {"tokens_per_s": tokens / wall, "tpf": tokens / nfe, "overhead": 1 - engine.forward_seconds / wall,
+           "wall_s": wall, "tokens": tokens}
+    checks = sum(r.stats.check_forwards for r in results)
+    if checks:
+        out["kept_per_check"] = sum(r.stats.drafts_accepted for r in results) / checks
+    return out
+
+
+def prompt_sets(names: list[str], lengths: list[int], batch: int, model: CloverForCausalLM,
+                tokenizer: Tokenizer | None) -> list[tuple[str, list[list[int]]]]:
+    """(label, prompts) for each prompt set."""
+    gen = torch.Generator().manual_seed(0)
+    high = min(model.config.vocab_size, model.config.mask_token_id) - 1
+    out = []
+    for name in names:
+        if name == "random":
+            out += [(f"random-{n}", torch.randint(0, high, (batch, n), generator=gen).tolist()) for n in lengths]
+        elif tokenizer is None:
+            print(f"skipping the {name} prompts: the model has no tokenizer")
+        elif name == "code":
+            out.append(("code", [tokenizer.encode(CODE[i % len(CODE)]) for i in range(batch)]))
+        elif name == "agent":
+            tasks = synthetic.tasks("test", batch, ("calc", "notes", "files", "recall"))
+            out.append(("agent", [tokenizer.encode(tokenizer.apply_chat_template(
+                t.prompt_messages, tools=t.tools, enable_thinking=False)) for t in tasks]))
+        else:
+            raise SystemExit(f"unknown prompt set {name!r}; choose from random, code, agent")
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint (default: the shipped model, else the tiny preset at random)")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompt-lengths", default="64,1024")
+    parser.add_argument("--prompts", default="random,code,agent", help="prompt sets: random, code, agent")
+    parser.add_argument("--prompt-lengths", default="64,1024", help="lengths of the random prompts")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--thresholds", default="0.5,0.7,0.9,0.95,1.0")
     parser.add_argument("--block-sizes", default="4,8,16,32")
-    parser.add_argument("--quick", action="store_true", help="prompt 64, batch 1, block 32 only")
+    parser.add_argument("--quick", action="store_true", help="prompt 64, batch 1, block 32, threshold 0.95 only")
     args = parser.parse_args()
     if args.quick:
-        args.prompt_lengths, args.batches, args.block_sizes = "64", "1", "32"
+        args.prompt_lengths, args.batches, args.block_sizes, args.thresholds = "64", "1", "32", "0.95"
     model, source = _model(args.model)
+    tokenizer = None
+    if source != "tiny preset, random weights":
+        try:
+            tokenizer = Tokenizer.load(source)
+        except (OSError, ValueError):
+            tokenizer = None
     engine = Engine(model)
+    separate = Engine(model, policies={"verify": VerifyPolicy(fused=False)})
     ref = transformers_twin(model)
     conditions = {
         "date": datetime.date.today().isoformat(), "machine": platform.machine(), "torch": torch.__version__,
@@ -70,34 +116,38 @@ def main() -> None:
         "ignore_eos": True,
     }
     print("conditions:", json.dumps(conditions))
-    gen = torch.Generator().manual_seed(0)
-    high = min(model.config.vocab_size, model.config.mask_token_id) - 1
     rows = []
-    for plen in map(int, args.prompt_lengths.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            prompts = torch.randint(0, high, (batch, plen), generator=gen).tolist()
+    for batch in map(int, args.batches.split(",")):
+        sets = prompt_sets(args.prompts.split(","), [int(n) for n in args.prompt_lengths.split(",")], batch, model,
+                           tokenizer)
+        for label, prompts in sets:
             base = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(prompts[:1], base.with_(max_new_tokens=4))  # warm-up
             ar = _run(engine, prompts, base.with_(algorithm="ar"))
-            rows.append({"prompt": plen, "batch": batch, "algorithm": "ar", **ar})
-            if ref is not None:
+            rows.append({"prompt": label, "batch": batch, "algorithm": "ar", **ar})
+            if ref is not None and len({len(p) for p in prompts}) == 1:
                 ids = torch.tensor(prompts)
                 t0 = time.perf_counter()
                 ref.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                              pad_token_id=0)
                 wall = time.perf_counter() - t0
-                rows.append({"prompt": plen, "batch": batch, "algorithm": "transformers_generate",
+                rows.append({"prompt": label, "batch": batch, "algorithm": "transformers_generate",
                              "tokens_per_s": batch * args.new_tokens / wall, "wall_s": wall})
+            for policy, eng in (("fused", engine), ("separate", separate)):
+                r = _run(eng, prompts, base.with_(algorithm="verify"))
+                rows.append({"prompt": label, "batch": batch, "algorithm": f"verify-{policy}", **r,
+                             "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
             for bs in map(int, args.block_sizes.split(",")):
                 for th in map(float, args.thresholds.split(",")):
                     r = _run(engine, prompts, base.with_(block_size=bs, threshold=th))
-                    rows.append({"prompt": plen, "batch": batch, "algorithm": "low_confidence", "block_size": bs,
+                    rows.append({"prompt": label, "batch": batch, "algorithm": "low_confidence", "block_size": bs,
                                  "threshold": th, **r, "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
-    print(f"\n{'prompt':>6} {'batch':>5} {'algorithm':>22} {'block':>5} {'thr':>5} {'tok/s':>8} {'TPF':>6} "
-          f"{'overhead':>8} {'vs AR':>6}")
+    print(f"\n{'prompt':>11} {'batch':>5} {'algorithm':>22} {'block':>5} {'thr':>5} {'tok/s':>8} {'TPF':>6} "
+          f"{'kept':>5} {'overhead':>8} {'vs AR':>6}")
     for r in rows:
-        print(f"{r['prompt']:>6} {r['batch']:>5} {r['algorithm']:>22} {r.get('block_size', ''):>5} "
+        print(f"{r['prompt']:>11} {r['batch']:>5} {r['algorithm']:>22} {r.get('block_size', ''):>5} "
               f"{r.get('threshold', ''):>5} {r['tokens_per_s']:8.1f} {r.get('tpf', float('nan')):6.2f} "
+              f"{r.get('kept_per_check', float('nan')):5.2f} "
               f"{100 * r.get('overhead', float('nan')):7.1f}% {r.get('speedup_over_ar', float('nan')):6.2f}")
     b1 = [r["overhead"] for r in rows if r["batch"] == 1 and "overhead" in r]
     summary = {"max_overhead_batch1": max(b1) if b1 else None,

@@ -48,7 +48,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding (defaults from the checkpoint's generation_config.json)")
-    g.add_argument("--algorithm", choices=ALGORITHMS, help="low_confidence (block diffusion) or ar")
+    g.add_argument("--algorithm", choices=ALGORITHMS, help="low_confidence (block diffusion), ar, or verify (block drafts checked by the causal head: ar's output)")
     g.add_argument("--block-size", type=int, help="block size (default: the model's, 32)")
     g.add_argument("--threshold", type=float, help="confidence to accept a position (default 0.95)")
     g.add_argument("--max-accept", type=int, help="cap on positions accepted per step")

@@ -264,7 +264,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         else:
             e.add_argument("--count", type=int, default=100)
             e.add_argument("--thinking", default="both", choices=["on", "off", "both"])
-            e.add_argument("--algorithm", default="low_confidence", choices=["low_confidence", "ar"])
+            e.add_argument("--algorithm", default="low_confidence", choices=["low_confidence", "ar", "verify"])
             e.add_argument("--threshold", type=float, default=0.95)
         e.set_defaults(func=cmd_eval)
 

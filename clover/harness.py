@@ -383,7 +383,8 @@ def _block_order(params: dict) -> int:
 def _block_label(params: dict) -> str:
     if params.get("algorithm") == "ar":
         return "ar (one token per step)"
-    return str(params.get("block_size", "server default"))
+    size = str(params.get("block_size", "server default"))
+    return f"{size} (verify: ar's output)" if params.get("algorithm") == "verify" else size
 
 
 def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dict]) -> None:

@@ -325,9 +325,10 @@ class CloverForCausalLM(nn.Module):
     # -- causal mode: prefill and commit -------------------------------------------------------------
     def causal(
         self, input_ids: torch.Tensor, cache: PrefixCache | None = None, lengths: torch.Tensor | None = None,
-        logits: str = "all", rows: torch.Tensor | list[int] | None = None,
+        logits: str = "all", rows: torch.Tensor | list[int] | None = None, write: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        """Run input_ids [N,T] causally after the cache (if any) and append them to it.
+        """Run input_ids [N,T] causally after the cache (if any) and append them to it (`write` False:
+        read the cache only, leaving it as it was).
 
         `logits`: "all" -> [N,T,V]; "last" -> [N,V] at each row's last valid position; "none" -> None
         (a commit needs no logits); "train" -> (final hidden states [N,T,D], router aux loss). `rows`: the cache rows the N input rows belong to (default: all,
@@ -344,7 +345,8 @@ class CloverForCausalLM(nn.Module):
             past = torch.zeros(n, dtype=torch.long, device=input_ids.device)
         lengths = self._lengths(input_ids, lengths, past)
         p = int(past.max()) if cache is not None else 0
-        if cache is not None:
+        write = write and cache is not None
+        if write:
             cache.reserve(int((past + lengths).max()))
         steps = torch.arange(t, device=input_ids.device)
         causal = (steps[None, :] <= steps[:, None])[None, None].expand(n, 1, t, t)
@@ -356,7 +358,7 @@ class CloverForCausalLM(nn.Module):
             if layer.is_attention:
                 pk, pv = cache.kv(i, rows, p) if cache is not None and p > 0 else (None, None)
                 out, k, v = layer.self_attn(x, *rope, mask, pk, pv)
-                if cache is not None:
+                if write:
                     cache.write_kv(i, k, v, lengths, rows)
                 return out
             if cache is not None:
@@ -366,12 +368,12 @@ class CloverForCausalLM(nn.Module):
                                                                              self.config.linear_conv_dim)
                 state, ring = None, zero_ring
             res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size)
-            if cache is not None:
+            if write:
                 cache.set_gdn(i, rows, res.state, res.ring)
             return res.out
 
         h, router_logits = self._run(input_ids, past[:, None] + steps[None, :], mixer)
-        if cache is not None:
+        if write:
             cache.advance(rows, lengths)
         if logits == "train":
             valid = (steps[None, :] < lengths[:, None]).reshape(-1)
@@ -413,6 +415,79 @@ class CloverForCausalLM(nn.Module):
 
         h, _ = self._run(block_ids, past[:, None] + steps[None, :], mixer)
         return self.lm_head(h)
+
+    # -- fused decoding pass: a causal stream and a preview in one forward ----------------------------
+    def causal_and_preview(
+        self, clean_ids: torch.Tensor, block_ids: torch.Tensor, cache: PrefixCache,
+        clean_lengths: torch.Tensor | None = None, block_lengths: torch.Tensor | None = None,
+        rows: torch.Tensor | list[int] | None = None, commit: bool = True, clean_logits: str = "last",
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One forward that does what `causal` and `preview` do apart (spec section 3: a fusion is
+        allowed only where its results equal the separate passes; tests compare them).
+
+        commit=True: clean_ids [N,Tc] are appended to the cache (a block commit, or a prefill) and the
+        block [N,S] is previewed right after them, over the cache they leave; this is the commit of one
+        block and the first denoising step of the next.
+        commit=False: clean_ids run causally over the cache without writing it, and the block is
+        previewed at the same positions (`verify`: the causal head checks drafts while the preview drafts).
+        Returns (clean logits per `clean_logits` "all" / "last" / "none", block logits [N,S,V]).
+        """
+        if clean_logits not in ("all", "last", "none"):
+            raise ValueError(f"clean_logits must be 'all', 'last' or 'none', got {clean_logits!r}")
+        self._check_ids(clean_ids, "clean_ids")
+        self._check_ids(block_ids, "block_ids")
+        (n, tc), s = clean_ids.shape, block_ids.shape[1]
+        rows = self._cache_rows(cache, n, rows)
+        past = cache.past(rows)
+        clean_lengths = self._lengths(clean_ids, clean_lengths, past)
+        block_start = past + clean_lengths if commit else past
+        block_lengths = self._lengths(block_ids, block_lengths, block_start)
+        p = int(past.max())
+        if commit:
+            cache.reserve(int((past + clean_lengths).max()))
+        dev = clean_ids.device
+        tc_steps, s_steps = torch.arange(tc, device=dev), torch.arange(s, device=dev)
+        # keys: [cached prefix P | clean Tc | block S]; clean rows causal, block rows bidirectional inside
+        # the block and, when committing, over the valid clean rows too
+        clean_rows = torch.cat([
+            self._prefix_mask(past, p, tc),
+            (tc_steps[None, :] <= tc_steps[:, None])[None, None].expand(n, 1, tc, tc),
+            torch.zeros(n, 1, tc, s, dtype=torch.bool, device=dev)], dim=-1)
+        sees_clean = (tc_steps[None, :] < clean_lengths[:, None]) if commit else torch.zeros(n, tc, dtype=torch.bool,
+                                                                                              device=dev)
+        inside = (s_steps[None, :] < block_lengths[:, None])[:, None, None, :].expand(n, 1, s, s)
+        inside = inside | torch.eye(s, dtype=torch.bool, device=dev)
+        block_rows = torch.cat([self._prefix_mask(past, p, s), sees_clean[:, None, None, :].expand(n, 1, s, tc),
+                                inside], dim=-1)
+        mask = torch.cat([clean_rows, block_rows], dim=2)                       # [N,1,Tc+S,P+Tc+S]
+
+        def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+            if layer.is_attention:
+                pk, pv = cache.kv(i, rows, p) if p > 0 else (None, None)
+                out, k, v = layer.self_attn(x, *rope, mask, pk, pv)
+                if commit:
+                    cache.write_kv(i, k[:, :, :tc], v[:, :, :tc], clean_lengths, rows)
+                return out
+            gdn = layer.linear_attn
+            state, ring = cache.gdn(i, rows)
+            clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size)
+            if commit:
+                cache.set_gdn(i, rows, clean.state, clean.ring)
+                state, ring = clean.state, clean.ring
+            return torch.cat([clean.out, gdn.preview(x[:, tc:], state, ring, block_lengths)], dim=1)
+
+        positions = torch.cat([past[:, None] + tc_steps[None, :], block_start[:, None] + s_steps[None, :]], dim=1)
+        h, _ = self._run(torch.cat([clean_ids, block_ids], dim=1), positions, mixer)
+        if commit:
+            cache.advance(rows, clean_lengths)
+        hc, hb = h[:, :tc], h[:, tc:]
+        if clean_logits == "none":
+            out_clean = None
+        elif clean_logits == "last":
+            out_clean = self.lm_head(hc[torch.arange(n, device=dev), (clean_lengths - 1).clamp(min=0)])
+        else:
+            out_clean = self.lm_head(hc)
+        return out_clean, self.lm_head(hb)
 
     # -- training mode: both streams, every block in one pass ----------------------------------------
     def training_forward(

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-ALGORITHMS = ("low_confidence", "ar")
+ALGORITHMS = ("low_confidence", "ar", "verify")
 
 
 @dataclass(frozen=True)
@@ -102,17 +102,80 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def token_distribution(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor) -> torch.Tensor:
+    """The distribution a token is drawn from at each row of logits [M,V]: penalties, then temperature,
+    top-k and top-p; at temperature 0 a one-hot on the argmax. Returns probabilities [M,V] in fp32."""
+    logits = apply_penalties(logits.float(), counts, params)
+    if params.temperature == 0:  # the argmax exactly as pick_tokens takes it
+        return torch.zeros_like(logits).scatter_(-1, torch.softmax(logits, -1).argmax(-1, keepdim=True), 1.0)
+    logits = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of probs [M,V] -> [M]."""
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
+
+
 def pick_tokens(
     logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Penalties, then argmax (temperature 0) or a sample. Returns (tokens [M], confidence [M]):
     the probability of the chosen token under the distribution it was drawn from."""
-    logits = apply_penalties(logits.float(), counts, params)
     if params.temperature == 0:
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(apply_penalties(logits.float(), counts, params), dim=-1)
         conf, tokens = probs.max(dim=-1)
         return tokens, conf
-    logits = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    tokens = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
+    probs = token_distribution(logits, params, counts)
+    tokens = sample_from(probs, generator)
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
+
+
+def verify_drafts(
+    logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, params: SamplingParams,
+    counts: torch.Tensor, generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Check drafts [M] against the causal head's logits [M,V] (row i predicts draft i) the way the
+    `ar` decoder would decide each position (spec section 5b). Returns (tokens, kept): the kept drafts
+    followed, at the first rejection, by the causal head's own token (so always >= 1 token); kept =
+    how many drafts were kept. `counts` [V] (response-token counts for the penalties) is updated.
+
+    Temperature 0: a draft is kept when it is the causal argmax. Temperature > 0: speculative
+    sampling -- draft x (drawn from draft_probs [M,V]) is kept with probability min(1, p(x) / q(x)),
+    else the token is drawn from max(0, p - q) renormalised -- so the output follows `ar`'s
+    distribution exactly.
+    """
+    m = drafts.shape[0]
+    if params.temperature == 0 and not _has_penalties(params):
+        picks = pick_tokens(logits, params, counts, generator)[0]                  # [M]
+        agree = (picks == drafts).int()
+        kept = int(agree.cumprod(0).sum())
+        tokens = drafts[:kept].tolist() + ([int(picks[kept])] if kept < m else [])
+        counts.index_add_(0, torch.tensor(tokens, device=counts.device), torch.ones(len(tokens), device=counts.device))
+        return tokens, kept
+    tokens: list[int] = []
+    for i in range(m):
+        p = token_distribution(logits[i : i + 1], params, counts)[0]              # [V]
+        x = int(drafts[i])
+        if params.temperature == 0:
+            keep = int(p.argmax()) == x
+        else:
+            q = draft_probs[i]
+            keep = float(torch.rand((), generator=generator)) * float(q[x]) < float(p[x])
+        if keep:
+            tokens.append(x)
+            counts[x] += 1
+            continue
+        if params.temperature == 0:
+            t = int(p.argmax())
+        else:
+            residual = (p - draft_probs[i]).clamp(min=0)
+            t = int(sample_from((residual if float(residual.sum()) > 0 else p)[None], generator)[0])
+        tokens.append(t)
+        counts[t] += 1
+        return tokens, i
+    return tokens, m

@@ -117,7 +117,7 @@ class _Sampling(_Strict):
     logprobs: bool | None = None
     user: str | None = None
     # Clover's knobs
-    algorithm: Literal["low_confidence", "ar"] | None = None
+    algorithm: Literal["low_confidence", "ar", "verify"] | None = None
     block_size: int | None = Field(default=None, ge=1, le=1024)
     threshold: float | None = Field(default=None, ge=0, le=1)
     max_accept_per_step: int | None = Field(default=None, ge=1)

@@ -60,17 +60,22 @@ def render_steps_ansi(result: GenerationResult, decode: Callable[[list[int]], st
     steps = block_steps(result)
     texts = token_texts(result.token_ids, decode)
     most = max((s for _, s in steps), default=1)
+    prompt_len = len(result.prompt_ids)
+    fixed = {rec.start + slot - prompt_len for rec in result.trace or [] for slot in rec.rejected}
     out = []
     last_block = None
-    for (block, step), text in zip(steps, texts, strict=True):
+    for i, ((block, step), text) in enumerate(zip(steps, texts, strict=True)):
         if last_block is not None and block != last_block:
             out.append("\033[2m|\033[0m")
         last_block = block
-        out.append(f"\033[38;5;{_colour(step - 1, most)}m{text}\033[0m")
+        underline = "4;" if i in fixed else ""
+        out.append(f"\033[{underline}38;5;{_colour(step - 1, most)}m{text}\033[0m")
     legend = " ".join(f"\033[38;5;{_colour(s - 1, most)}m{s}\033[0m" for s in range(1, most + 1))
     stats = result.stats
+    checks = (f", {stats.check_forwards} checks kept {stats.drafts_accepted} of {stats.drafts_proposed} drafts "
+              "(underlined: the causal head's token over a rejected draft)" if stats.check_forwards else "")
     return ("".join(out) + f"\n\033[2msteps within a block: {legend}   ('|' marks a block boundary)   "
-            f"{stats.generated_tokens} tokens, {stats.nfe} forwards, TPF {stats.tpf:.2f}\033[0m")
+            f"{stats.generated_tokens} tokens, {stats.nfe} forwards, TPF {stats.tpf:.2f}{checks}\033[0m")
 
 
 _PAGE = r"""<!doctype html>
@@ -80,13 +85,15 @@ body{font:15px/1.5 system-ui,sans-serif;margin:2rem;max-width:70rem;color:#222}
 #text{font-family:ui-monospace,monospace;white-space:pre-wrap;border:1px solid #ddd;padding:1rem;border-radius:6px;
 min-height:6rem;background:#fafafa}
 .tok{border-radius:3px}.draft{color:#999;font-style:italic}.new{outline:2px solid #e33}
+.fix{text-decoration:underline wavy #c00}
 .prompt{color:#555}.blk{border-left:2px dashed #bbb;margin-left:1px}
 #bar{display:flex;gap:.6rem;align-items:center;margin:1rem 0}#info{color:#555}
 </style></head><body>
 <h1>Block diffusion, step by step</h1>
 <p>Each block starts as masks; every step drafts all unknown positions (grey, faint where unsure) and
 accepts the confident ones (coloured by the step that accepted them). Red outline: accepted at this
-step. __SUMMARY__</p>
+step. With <code>verify</code>, a step is a check by the causal head: it keeps the drafts that agree with it
+and writes its own token (wavy underline) over the first that does not. __SUMMARY__</p>
 <div id="bar"><button id="play">play</button><button id="prev">&lsaquo;</button><button id="next">&rsaquo;</button>
 <input id="slider" type="range" min="0" value="0" style="flex:1"><span id="info"></span></div>
 <div id="text"></div>
@@ -109,9 +116,10 @@ function show(n){
       if (i < s.fixed) return;
       const acc = s.acceptedAt[i];
       if (acc > 0) {
-        const isNew = last && s.accepted.includes(i);
-        out += `<span class="tok${isNew?' new':''}" style="background:hsl(${hue(acc - s.firstStep + 1)},80%,85%)"`
-            + ` title="accepted at step ${acc - s.firstStep + 1} of block ${b}">${esc(p)}</span>`;
+        const isNew = last && s.accepted.includes(i), fix = s.fixedBy[i] ? ' fix' : '';
+        const why = s.fixedBy[i] ? `; the draft ${JSON.stringify(s.fixedBy[i])} was rejected` : '';
+        out += `<span class="tok${isNew?' new':''}${fix}" style="background:hsl(${hue(acc - s.firstStep + 1)},80%,85%)"`
+            + ` title="accepted at step ${acc - s.firstStep + 1} of block ${b}${esc(why)}">${esc(p)}</span>`;
       } else {
         out += `<span class="tok draft" style="opacity:${0.25 + 0.75 * s.conf[i]}" `
             + `title="draft, confidence ${s.conf[i].toFixed(2)}">${esc(p)}</span>`;
@@ -142,16 +150,20 @@ def trace_data(result: GenerationResult, prompt_text: str, decode: Callable[[lis
     """The JSON the trace page replays: per step, the block's tokens, drafts and confidences."""
     if result.trace is None:
         raise ValueError("the generation was not recorded: set record_steps=True")
-    steps, accepted_at, first_step = [], {}, {}
+    steps, accepted_at, first_step, fixed_by = [], {}, {}, {}
     for rec in result.trace:
         first_step.setdefault(rec.block, rec.step)
         at = accepted_at.setdefault(rec.block, [0] * len(rec.tokens))
+        fixes = fixed_by.setdefault(rec.block, [""] * len(rec.tokens))
         for slot in rec.accepted:
             at[slot] = rec.step
+        for slot in rec.rejected:  # verify: the causal head's token replaced this draft
+            fixes[slot] = decode([rec.draft[slot]])
+        known = [i < rec.fixed or at[i] > 0 for i in range(len(rec.tokens))]
         steps.append({
             "block": rec.block, "fixed": rec.fixed, "firstStep": first_step[rec.block], "accepted": rec.accepted,
-            "acceptedAt": list(at), "conf": [round(c, 3) for c in rec.confidence],
-            "pieces": [decode([t]) for t in rec.draft],
+            "acceptedAt": list(at), "conf": [round(c, 3) for c in rec.confidence], "fixedBy": list(fixes),
+            "pieces": [decode([t if k else d]) for t, d, k in zip(rec.tokens, rec.draft, known, strict=True)],
         })
     max_step = max((s["acceptedAt"][i] - s["firstStep"] + 1 for s in steps for i in range(len(s["acceptedAt"]))
                     if s["acceptedAt"][i]), default=1)
@@ -162,7 +174,9 @@ def write_trace_html(path: str | Path, result: GenerationResult, prompt_text: st
                      decode: Callable[[list[int]], str]) -> None:
     data = trace_data(result, prompt_text, decode)
     s = result.stats
+    checks = (f", {s.check_forwards} checks keeping {s.drafts_accepted} of {s.drafts_proposed} drafts"
+              if s.check_forwards else "")
     summary = html.escape(f"{s.generated_tokens} tokens in {s.nfe} forwards ({s.preview_forwards} previews, "
-                          f"{s.commit_forwards} commits), TPF {s.tpf:.2f}, {s.blocks} blocks.")
+                          f"{s.commit_forwards} commits{checks}), TPF {s.tpf:.2f}, {s.blocks} blocks.")
     page = _PAGE.replace("__SUMMARY__", summary).replace("__DATA__", json.dumps(data).replace("</", "<\\/"))
     Path(path).write_text(page, encoding="utf-8")

@@ -26,10 +26,12 @@ def test_threshold_one_accepts_one_token_per_step_and_zero_fills_each_block_at_o
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, threshold=1.0, record_steps=True)
     one = engine.generate([PROMPTS[1]], params)[0]
     assert all(len(r.accepted) == 1 for r in one.trace)
-    assert one.stats.preview_forwards == 20 and sorted(one.accept_steps) == list(range(1, 21))
+    # 20 denoising steps = 20 forwards: 18 previews and the 2 commits that carry their next block's first step
+    assert one.stats.nfe == 20 and one.stats.commit_forwards == 2 and sorted(one.accept_steps) == list(range(1, 21))
     zero = engine.generate([PROMPTS[1]], params.with_(threshold=0.0))[0]
-    assert zero.stats.preview_forwards == zero.stats.blocks == 3  # 5 + 8 + 7 tokens
-    assert zero.stats.tpf == 20 / (3 + 2)
+    # 5 + 8 + 7 tokens, one step each: the first fused with the prefill, the others with the commits
+    assert zero.stats.blocks == 3 and zero.stats.preview_forwards == 1 and zero.stats.commit_forwards == 2
+    assert zero.stats.tpf == 20 / 3
 
 
 def test_a_threshold_under_the_top_confidences_accepts_several_tokens_per_step(sharp_model):

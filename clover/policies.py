@@ -1,0 +1,284 @@
+"""Decoding policies: how a batch of running sequences advances by one engine step.
+
+A policy is one small class behind one protocol: `prefill` the sequences just admitted, `step` the
+others. It runs its forwards through the engine (`engine.forward`, `engine.fused`) over all its
+sequences at once, decides tokens, and hands final ones to `engine.emit*`. A new decoding strategy
+is one new class added to `POLICIES`.
+
+- `ar` (spec section 5): one causal forward per token, which also commits it.
+- `low_confidence` (spec section 5): blocks aligned to absolute positions, the prompt tail fixed in
+  the first block; each preview picks a token and its confidence at every masked slot and accepts
+  those at or above the threshold (at least the most confident, at most `max_accept_per_step`); an
+  accepted end-of-sequence token fills the rest of the block. A resolved block is committed in the
+  same forward as the next block's first preview, and the prompt prefill in the same forward as the
+  first preview (`model.causal_and_preview`, equal to the separate passes): p forwards per block of
+  p denoising steps, not p + 1.
+- `verify` (spec section 5b): the preview drafts, the causal head decides. Each check is one forward
+  that runs the block with its drafts causally over the cache (not written) and, fused with it, the
+  preview of the block with its unverified slots masked, which drafts the next check. Drafts are kept
+  while they equal the `ar` decoder's choice, and the first disagreement is replaced by that choice,
+  so every check yields at least one token and the output is `ar`'s (speculative sampling at
+  temperature > 0). Nothing of a rejected draft reaches the cache: the block is committed only
+  when every slot is verified, fused with the next block's first preview. `VerifyPolicy(fused=False)`
+  drafts with a separate preview before each check (measured in benchmarks/decode.py).
+
+Dimension letters: S block slots, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from clover.sampling import pick_tokens, sample_from, token_distribution, verify_drafts
+from clover.sequence import Event, SequenceState, StepRecord
+
+if TYPE_CHECKING:
+    from clover.engine import Engine
+
+
+class Policy(Protocol):
+    def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None: ...
+    def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None: ...
+
+
+class AutoRegressive:
+    """`ar`: the causal head picks each next token; the forward that reads a token also commits it."""
+
+    def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        logits = engine.forward(seqs, "causal", engine.pad([s.prompt for s in seqs], 0), [len(s.prompt) for s in seqs],
+                                logits="last")
+        for s, lg in zip(seqs, logits, strict=True):
+            s.pos = len(s.prompt)
+            self._token(engine, s, lg, events)
+
+    def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        ids = torch.tensor([[s.generated[-1]] for s in seqs], device=engine.model.device)
+        logits = engine.forward(seqs, "causal", ids, [1] * len(seqs), logits="last")
+        for s, lg in zip(seqs, logits, strict=True):
+            s.pos += 1
+            self._token(engine, s, lg, events)
+
+    def _token(self, engine: Engine, s: SequenceState, logits: torch.Tensor, events: list[Event]) -> None:
+        s.stats.commit_forwards += 1
+        s.step += 1
+        token, _ = pick_tokens(engine.mask_out(logits[None]), s.params, s.counts, s.generator)
+        t = int(token[0])
+        if not engine.is_stop_token(s, t):
+            s.counts[t] += 1
+        engine.emit_final(s, [t], [s.step], events)
+
+
+class _Blocks:
+    """What the block policies share: block layout, the fused prefill / commit with the next preview."""
+
+    def start_block(self, engine: Engine, s: SequenceState) -> None:
+        fixed = max(len(s.prompt) - s.pos, 0)  # the prompt tail, inside the first block only
+        room = min(s.block_size - fixed, s.params.max_new_tokens - len(s.generated))
+        dev = engine.model.device
+        s.fixed = fixed
+        s.block = torch.full((fixed + room,), engine.config.mask_token_id, dtype=torch.long, device=dev)
+        s.resolved = torch.zeros(fixed + room, dtype=torch.bool, device=dev)
+        if fixed:
+            s.block[:fixed] = torch.tensor(s.prompt[s.pos:], device=dev)
+            s.resolved[:fixed] = True
+        s.block_steps = [0] * (fixed + room)
+
+    def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Causal prefill of each prompt's whole blocks fused with the preview of its first block."""
+        for s in seqs:
+            s.pos = len(s.prompt) // s.block_size * s.block_size
+            self.start_block(engine, s)
+        last, logits = engine.fused(seqs, [s.prompt[: s.pos] for s in seqs], [s.block for s in seqs], commit=True,
+                                    clean_logits="last")
+        for i, s in enumerate(seqs):
+            s.stats.prefill_forwards += int(s.pos > 0)
+            s.stats.preview_forwards += 1
+            self.after_preview(engine, s, logits[i, : len(s.block)], last[i] if s.pos > 0 else None, events)
+
+    def commit(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Commit each finished block fused with the first preview of the sequence's next block."""
+        done = [s.block for s in seqs]
+        for s in seqs:
+            s.pos += len(s.block)
+            self.start_block(engine, s)
+        last, logits = engine.fused(seqs, done, [s.block for s in seqs], commit=True, clean_logits="last")
+        for i, s in enumerate(seqs):
+            s.stats.commit_forwards += 1
+            self.after_preview(engine, s, logits[i, : len(s.block)], last[i], events)
+
+    def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
+                      events: list[Event]) -> None:
+        raise NotImplementedError
+
+
+class LowConfidence(_Blocks):
+    """`low_confidence`: accept confident slots of each preview until the block is resolved."""
+
+    def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        super().prefill(engine, seqs, events)
+        self._complete(engine, [s for s in seqs if s.finish_reason is None and bool(s.resolved.all())], events)
+
+    def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        open_ = [s for s in seqs if not bool(s.resolved.all())]
+        if open_:
+            logits = engine.forward(open_, "preview", engine.pad([s.block for s in open_], engine.config.mask_token_id),
+                                    [len(s.block) for s in open_])
+            for s, lg in zip(open_, logits, strict=True):
+                s.stats.preview_forwards += 1
+                self._accept(engine, s, lg[: len(s.block)])
+        self._complete(engine, [s for s in seqs if bool(s.resolved.all())], events)
+
+    def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
+                      events: list[Event]) -> None:
+        self._accept(engine, s, logits)
+
+    def _complete(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Emit resolved blocks; commit those whose sequence goes on (fused with their next preview)."""
+        go_on = []
+        for s in seqs:
+            s.stats.blocks += 1
+            engine.emit_final(s, s.block[s.fixed:].tolist(), s.block_steps[s.fixed:], events)
+            if s.finish_reason is None:
+                go_on.append(s)
+        if go_on:
+            self.commit(engine, go_on, events)
+
+    def _accept(self, engine: Engine, s: SequenceState, logits: torch.Tensor) -> None:
+        """One denoising step on s.block given its preview logits [S,V]."""
+        s.step += 1
+        p = s.params
+        masked = (~s.resolved).nonzero().squeeze(-1)                            # [M]
+        tokens, conf = pick_tokens(engine.mask_out(logits[masked]), p, s.counts, s.generator)
+        accept = conf >= p.threshold
+        if not bool(accept.any()):
+            accept[conf.argmax()] = True
+        if p.max_accept_per_step is not None and int(accept.sum()) > p.max_accept_per_step:
+            ranked = torch.where(accept, conf, torch.full_like(conf, -1.0))
+            keep = ranked.topk(p.max_accept_per_step).indices
+            accept = torch.zeros_like(accept)
+            accept[keep] = True
+        chosen, chosen_tokens = masked[accept], tokens[accept]
+        s.block[chosen] = chosen_tokens
+        s.resolved[chosen] = True
+        for slot in chosen.tolist():
+            s.block_steps[slot] = s.step
+        s.counts.index_add_(0, chosen_tokens, torch.ones_like(chosen_tokens, dtype=s.counts.dtype))
+        accepted = chosen.tolist()
+        if not p.ignore_eos and engine.eos_ids:
+            is_eos = torch.tensor([int(t) in engine.eos_ids for t in chosen_tokens.tolist()], dtype=torch.bool)
+            if bool(is_eos.any()):
+                first = int(chosen[is_eos.to(chosen.device)].min())
+                later = torch.arange(first + 1, len(s.block), device=s.block.device)
+                for slot in later[~s.resolved[later]].tolist():
+                    s.block_steps[slot] = s.step
+                    accepted.append(slot)
+                s.block[later] = int(s.block[first])
+                s.resolved[later] = True
+        if p.record_steps:
+            draft = s.block.clone()
+            draft[masked] = tokens
+            confidence = torch.ones(len(s.block))
+            confidence[masked.cpu()] = conf.float().cpu()
+            s.trace.append(StepRecord(
+                step=s.step, block=s.pos // s.block_size, start=s.pos, fixed=s.fixed,
+                tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
+                confidence=confidence.tolist(), accepted=sorted(accepted),
+            ))
+
+
+class VerifyPolicy(_Blocks):
+    """`verify`: drafts from the preview, checked and corrected by the causal head (spec section 5b)."""
+
+    def __init__(self, fused: bool = True) -> None:
+        self.fused = fused
+
+    def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        if not self.fused:
+            stale = [s for s in seqs if s.drafts is None]
+            if stale:
+                logits = engine.forward(stale, "preview", engine.pad([s.block for s in stale],
+                                                                     engine.config.mask_token_id),
+                                        [len(s.block) for s in stale])
+                for s, lg in zip(stale, logits, strict=True):
+                    s.stats.preview_forwards += 1
+                    self._draft(engine, s, lg[: len(s.block)])
+        drafted = [torch.where(s.resolved, s.block, s.drafts) for s in seqs]
+        if self.fused:
+            # the preview sees only verified slots: feeding it the drafts being checked (all of them, or
+            # the leading ones above a confidence) gave fewer kept drafts per check on clover-tiny
+            checks, previews = engine.fused(seqs, drafted, [s.block for s in seqs], commit=False, clean_logits="all")
+        else:
+            checks = engine.forward(seqs, "causal", engine.pad(drafted, 0), [len(d) for d in drafted], logits="all",
+                                    write=False)
+        finished_blocks = []
+        for i, s in enumerate(seqs):
+            s.stats.check_forwards += 1
+            self._check(engine, s, checks[i, : len(s.block)], events)
+            done = bool(s.resolved.all())
+            s.stats.blocks += int(done or s.finish_reason is not None)
+            if s.finish_reason is not None:
+                continue
+            if done:
+                finished_blocks.append(s)
+            elif self.fused:
+                self._draft(engine, s, previews[i, : len(s.block)])
+            else:
+                s.drafts = None
+        if finished_blocks:
+            self.commit(engine, finished_blocks, events)
+
+    def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
+                      events: list[Event]) -> None:
+        # the causal prediction of the block's first slot, needed when no prompt token sits in the block
+        s.carry = carry if s.fixed == 0 else None
+        self._draft(engine, s, logits)
+
+    def _draft(self, engine: Engine, s: SequenceState, logits: torch.Tensor) -> None:
+        """Draft every unresolved slot from preview logits [S,V] (argmax, or a sample whose distribution
+        is kept for the speculative acceptance)."""
+        masked = ~s.resolved
+        lg = engine.mask_out(logits[masked])
+        s.drafts = s.block.clone()
+        if s.params.temperature == 0:
+            s.drafts[masked] = pick_tokens(lg, s.params, s.counts, s.generator)[0]
+            s.draft_probs = None
+        else:
+            probs = token_distribution(lg, s.params, s.counts)                    # [M,V]
+            s.drafts[masked] = sample_from(probs, s.generator)
+            s.draft_probs = torch.zeros(len(s.block), probs.shape[-1], device=probs.device)
+            s.draft_probs[masked] = probs
+
+    def _check(self, engine: Engine, s: SequenceState, causal: torch.Tensor, events: list[Event]) -> None:
+        """Keep the drafts the causal head agrees with, from the first unverified slot on; logits [S,V] at
+        slot i predict slot i + 1, and `s.carry` predicts slot 0."""
+        j = int(s.resolved.sum())                              # slots < j are verified (a prefix)
+        preds = causal[max(j - 1, 0): len(s.block) - 1]
+        if j == 0:
+            preds = torch.cat([s.carry[None], preds])
+        probs = None if s.draft_probs is None else s.draft_probs[j:]
+        tokens, kept = verify_drafts(engine.mask_out(preds), s.drafts[j:], probs, s.params, s.counts, s.generator)
+        s.step += 1
+        end = j + len(tokens)
+        s.block[j:end] = torch.tensor(tokens, device=s.block.device)
+        s.resolved[j:end] = True
+        s.block_steps[j:end] = [s.step] * len(tokens)
+        s.stats.drafts_proposed += len(s.block) - j
+        s.stats.drafts_accepted += kept
+        if s.params.record_steps:
+            draft = torch.where(s.resolved, s.block, s.drafts)
+            draft[j:] = s.drafts[j:]
+            conf = torch.ones(len(s.block))
+            if probs is not None:
+                conf[j:] = probs.gather(-1, s.drafts[j:, None]).squeeze(-1).float().cpu()
+            s.trace.append(StepRecord(
+                step=s.step, block=s.pos // s.block_size, start=s.pos, fixed=s.fixed,
+                tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
+                confidence=conf.tolist(), accepted=list(range(j, end)),
+                rejected=[j + kept] if kept < len(s.block) - j else [],
+            ))
+        engine.emit_final(s, tokens, [s.step] * len(tokens), events)
+
+
+POLICIES: dict[str, type] = {"ar": AutoRegressive, "low_confidence": LowConfidence, "verify": VerifyPolicy}

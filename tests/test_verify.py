@@ -1,0 +1,236 @@
+"""`verify` decoding (spec section 5b): the causal head decides, so the output is `ar`'s.
+
+Greedy output equals `ar` token for token (random and shipped model, both drafting policies, mixed
+batches, prompt tails inside a block, stop tokens and stop strings inside a draft); poisoned drafts
+change nothing and the cache never holds a rejected draft; sampled output follows `ar`'s
+distribution; the fused passes equal the separate ones.
+"""
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from clover.checkpoint import load_checkpoint
+from clover.config import CloverConfig
+from clover.engine import Engine
+from clover.model import CloverForCausalLM
+from clover.policies import VerifyPolicy
+from clover.sampling import SamplingParams
+from clover.tokenizer import Tokenizer
+
+SHIPPED = Path(__file__).resolve().parents[1] / "clover" / "models" / "clover-tiny"
+# prompt lengths around the debug block size 8: tails of 3, 0 (a multiple), 5, 1, 7 and a short prompt
+LENGTHS = (11, 16, 13, 9, 23, 2)
+
+
+@pytest.fixture(scope="module")
+def model() -> CloverForCausalLM:
+    torch.manual_seed(0)
+    m = CloverForCausalLM(CloverConfig.preset("debug")).eval()
+    with torch.no_grad():  # Clover extras away from their neutral init, sharper logits
+        for mod in m.modules():
+            if hasattr(mod, "conv_right"):
+                mod.conv_right.normal_(std=0.3)
+                mod.history_bias.normal_(std=0.5)
+        m.lm_head.weight.mul_(8.0)
+    return m
+
+
+def _prompts(vocab: int = 500, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_greedy_verify_equals_ar_token_for_token(model, fused):
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ar = Engine(model).generate(_prompts(), params.with_(algorithm="ar"))
+    engine = Engine(model, policies={"verify": VerifyPolicy(fused=fused)})
+    ve = engine.generate(_prompts(), params.with_(algorithm="verify"))
+    assert [v.token_ids for v in ve] == [a.token_ids for a in ar]
+    for v in ve:
+        s = v.stats
+        assert s.check_forwards >= 1 and s.nfe == s.preview_forwards + s.commit_forwards + s.check_forwards
+        assert s.drafts_accepted <= s.drafts_proposed
+
+
+def test_verify_in_a_batch_mixing_algorithms_equals_verify_alone(model):
+    prompts = _prompts()
+    algs = ["verify", "ar", "low_confidence", "verify", "ar", "verify"]
+    params = [SamplingParams(max_new_tokens=12 + 3 * i, ignore_eos=True, algorithm=a) for i, a in enumerate(algs)]
+    mixed = Engine(model, max_batch_size=3).generate(prompts, params)
+    for p, sp, got in zip(prompts, params, mixed, strict=True):
+        alone = Engine(model).generate([p], sp)[0]
+        assert got.token_ids == alone.token_ids
+        if sp.algorithm == "verify":
+            assert got.token_ids == Engine(model).generate([p], sp.with_(algorithm="ar"))[0].token_ids
+
+
+def test_stop_token_and_stop_string_inside_a_draft_end_where_ar_ends():
+    m = load_checkpoint(SHIPPED, dtype="float32").eval()
+    tok = Tokenizer.load(SHIPPED)
+    prompt = tok.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
+    base = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    ar = Engine(m, tokenizer=tok).generate([prompt], base.with_(algorithm="ar"))[0]
+    assert len(ar.token_ids) == 48
+    stop_id = ar.token_ids[20]
+    stop_text = tok.decode(ar.token_ids)[40:44]
+    for params in (base.with_(stop_token_ids=(stop_id,)), base.with_(stop=(stop_text,))):
+        a = Engine(m, tokenizer=tok).generate([prompt], params.with_(algorithm="ar"))[0]
+        v = Engine(m, tokenizer=tok).generate([prompt], params.with_(algorithm="verify"))[0]
+        assert (v.token_ids, v.text, v.finish_reason) == (a.token_ids, a.text, "stop")
+
+
+def test_shipped_model_verify_equals_ar_and_keeps_drafts():
+    m = load_checkpoint(SHIPPED, dtype="float32").eval()
+    tok = Tokenizer.load(SHIPPED)
+    texts = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
+    prompts = [tok.encode(t) for t in texts]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ar = Engine(m).generate(prompts, params.with_(algorithm="ar"))
+    ve = Engine(m).generate(prompts, params.with_(algorithm="verify"))
+    assert [v.token_ids for v in ve] == [a.token_ids for a in ar]
+    assert sum(v.stats.drafts_accepted for v in ve) > 0  # the test exercises kept drafts, not only corrections
+
+
+class PoisonedVerify(VerifyPolicy):
+    """Drafts that are `ar`'s own tokens for a few slots, then a wrong token, then `ar`'s again: the
+    check keeps the right ones, replaces the poisoned one, and must never let it into the cache."""
+
+    def __init__(self, truth: list[int], prompt_len: int, vocab: int) -> None:
+        super().__init__(fused=True)
+        self.truth, self.prompt_len, self.vocab = truth, prompt_len, vocab
+
+    def _draft(self, engine, s, logits):
+        super()._draft(engine, s, logits)
+        for slot in (~s.resolved).nonzero().squeeze(-1).tolist():
+            k = s.pos + slot - self.prompt_len  # index into the generated tokens
+            if 0 <= k < len(self.truth):
+                right = self.truth[k]
+                s.drafts[slot] = (right + 1) % (self.vocab - 2) if (s.pos + slot) % 5 == 3 else right
+
+
+def _assert_cache_is_prefill_of(model, engine, s, tokens):
+    ref = model.new_cache(1)
+    model.causal(torch.tensor([tokens[: s.pos]]), ref, logits="none")
+    cache, row = engine.cache, s.row
+    assert int(cache.lengths[row]) == s.pos
+    for layer in range(len(cache.keys)):
+        if cache.keys[layer] is not None:
+            torch.testing.assert_close(cache.keys[layer][row, :, : s.pos], ref.keys[layer][0, :, : s.pos],
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.values[layer][row, :, : s.pos], ref.values[layer][0, :, : s.pos],
+                                       atol=1e-5, rtol=0)
+        else:
+            torch.testing.assert_close(cache.states[layer][row], ref.states[layer][0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.rings[layer][row], ref.rings[layer][0], atol=1e-5, rtol=0)
+
+
+def test_poisoned_drafts_change_nothing_and_never_reach_the_cache(model):
+    prompt = _prompts()[0]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, algorithm="verify")
+    truth = Engine(model).generate([prompt], params.with_(algorithm="ar"))[0].token_ids
+    engine = Engine(model, policies={"verify": PoisonedVerify(truth, len(prompt), model.config.vocab_size)})
+    rid = engine.add_request(prompt, params.with_(record_steps=True))
+    result, checked = None, 0
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.finished:
+                result = ev.result
+        for s in engine.running:
+            if s.rid == rid and s.finish_reason is None:
+                _assert_cache_is_prefill_of(model, engine, s, prompt + s.generated)
+                checked += 1
+    assert result.token_ids == truth
+    assert checked >= 3 and result.stats.drafts_accepted > 0
+    assert any(r.rejected for r in result.trace)  # poisoned drafts were seen and replaced
+    for r in result.trace:
+        for slot in r.rejected:
+            assert r.draft[slot] != r.tokens[slot]
+
+
+def test_sampled_verify_follows_the_ar_distribution():
+    """Marginals of the first three sampled tokens, against their exact values under `ar` (computed by
+    enumerating the 16-token vocabulary); a chi-square test per position at p = 0.001."""
+    cfg = CloverConfig.preset("debug", vocab_size=16, mask_token_id=15, eos_token_id=14)
+    torch.manual_seed(3)
+    m = CloverForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(20.0)  # peaked but not degenerate distributions
+    prompt, n, temp = [3, 1, 4, 1, 5, 9, 2], 3000, 0.9
+    usable = 14  # the mask token and EOS are excluded (EOS ignored) by both decoders
+
+    def dist(logits):
+        lg = logits.float().clone()
+        lg[..., 15] = float("-inf")
+        return torch.softmax(lg / temp, -1)
+
+    with torch.no_grad():
+        p1 = dist(m(torch.tensor([prompt]))[0, -1])
+        ctx1 = torch.tensor([prompt + [a] for a in range(16)])
+        p2_given = dist(m(ctx1)[:, -1])                                         # [16,16]
+        p2 = p1 @ p2_given
+        ctx2 = torch.tensor([prompt + [a, b] for a in range(16) for b in range(16)])
+        p3_given = dist(m(ctx2)[:, -1]).reshape(16, 16, 16)
+        p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    exact = [p1, p2, p3]
+
+    def chi2(samples, probs):
+        counts = torch.bincount(samples, minlength=16).double()
+        expected = probs.double() * len(samples)
+        keep = expected > 5
+        lumped = (counts[~keep].sum() - expected[~keep].sum()) ** 2 / max(float(expected[~keep].sum()), 1e-9)
+        return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum() + lumped), int(keep.sum())
+
+    def run(alg, t):
+        params = [SamplingParams(max_new_tokens=3, temperature=t, seed=i, ignore_eos=True, algorithm=alg)
+                  for i in range(n)]
+        return Engine(m, max_batch_size=n).generate([prompt] * n, params)
+
+    ve = run("verify", temp)
+    assert sum(r.stats.drafts_accepted for r in ve) > n // 10   # both branches of the acceptance rule run
+    assert sum(r.stats.drafts_proposed - r.stats.drafts_accepted for r in ve) > n // 10
+    tokens = torch.tensor([r.token_ids for r in ve])
+    crit = {k: k + 3.1 * math.sqrt(2 * k) + 6 for k in range(1, usable + 1)}  # about the 0.001 tail
+    for pos in range(3):
+        stat, dof = chi2(tokens[:, pos], exact[pos])
+        assert stat < crit[dof], (pos, stat, dof)
+    # the test has power: samples at another temperature are rejected at the third position
+    other = torch.tensor([r.token_ids for r in run("ar", 1.6)])
+    assert max(chi2(other[:, pos], exact[pos])[0] - crit[chi2(other[:, pos], exact[pos])[1]] for pos in range(3)) > 0
+
+
+def test_fused_passes_equal_the_separate_passes(model):
+    b = model.config.block_size
+    ids = torch.randint(0, 500, (3, 40), generator=torch.Generator().manual_seed(5))
+    past, clean_len, block_len = [11, 5, 8], torch.tensor([b, 3, 0]), torch.tensor([b, 5, b])
+    with torch.no_grad():
+        base = model.new_cache(3)
+        model.causal(ids[:, :11], base, lengths=torch.tensor(past), logits="none")
+        clean = ids[:, 11: 11 + b]
+        block = torch.full((3, b), model.config.mask_token_id)
+        block[:, :2] = ids[:, 20:22]
+        for commit in (True, False):
+            sep, fus = copy.deepcopy(base), copy.deepcopy(base)
+            want_clean = model.causal(clean, sep, lengths=clean_len, logits="all", write=commit)
+            want_block = model.preview(block, sep, lengths=block_len)
+            got_clean, got_block = model.causal_and_preview(clean, block, fus, clean_len, block_len, commit=commit,
+                                                            clean_logits="all")
+            for r in range(3):
+                n = int(clean_len[r])
+                torch.testing.assert_close(got_clean[r, :n], want_clean[r, :n], atol=2e-5, rtol=0)
+                n = int(block_len[r])
+                torch.testing.assert_close(got_block[r, :n], want_block[r, :n], atol=2e-5, rtol=0)
+            assert sep.lengths.tolist() == fus.lengths.tolist() == [p + commit * int(c) for p, c in zip(past, clean_len, strict=True)]
+            for a, c in ((sep.states, fus.states), (sep.rings, fus.rings)):
+                for x, y in zip(a, c, strict=True):
+                    if x is not None:
+                        torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
+            for layer, k in enumerate(sep.keys):
+                if k is not None:
+                    for r in range(3):
+                        n = int(sep.lengths[r])
+                        torch.testing.assert_close(fus.keys[layer][r, :, :n], k[r, :, :n], atol=1e-5, rtol=0)
