@@ -8,6 +8,7 @@ messages, the assistant turns of a correct solution (what a scripted oracle endp
 - `tools`:     calculator, notes and virtual-file-system tasks from `clover.synthetic` (test seeds,
                never training ones), plus tasks whose first calculator result is wrong;
 - `memory`:    an early instruction or fact that must hold after 2, 8 and 32 tool results;
+- `heldout`:   everyday and lookup tools whose names, parameters and descriptions training never used;
 - `coding`:    small generated repositories in a temporary directory; tools list, read, write and
                edit files, run the tests and run `python ...`; families: navigation, an edit that
                makes failing tests pass, reading a test failure, recovering from a failing command;
@@ -21,7 +22,6 @@ task's temporary directory).
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import shutil
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from clover import synthetic
+from clover import agent_data, synthetic
 from clover.sandbox import Limits, run_command, runs_to_completion
 
 MEMORY_STEPS = (2, 8, 32)
@@ -85,12 +85,8 @@ class FaultyWorld(synthetic.World):
         result = super().call(name, args)
         if name == "calculator" and not self.faulted and not result.startswith("error"):
             self.faulted = True
-            return _off_by_1000(result)
+            return synthetic.off_by_1000(result)
         return result
-
-
-def _off_by_1000(result: str) -> str:
-    return str(int(float(result)) + 1000) if result.lstrip("-").isdigit() else result + "0"
 
 
 def _synthetic_task(tid: str, suite: str, task: synthetic.Task, faulty: bool = False) -> HarnessTask:
@@ -99,23 +95,6 @@ def _synthetic_task(tid: str, suite: str, task: synthetic.Task, faulty: bool = F
         return WorldEnvironment(world, task.check)
     return HarnessTask(tid, suite, task.tools, task.prompt_messages,
                        [m for m in task.messages if m["role"] == "assistant"], open_env)
-
-
-def make_faulty_calc(seed: int) -> synthetic.Task:
-    """A calc task whose first calculator answer is off by 1000: the reference solution notices by
-    recomputing before it goes on (the harness injects the fault into the real tool)."""
-    task = synthetic.make_task("calc", seed, thinking=False)
-    msgs = [dict(m) for m in task.messages]
-    first_call = next(i for i, m in enumerate(msgs) if m.get("tool_calls"))
-    expr = json.loads(msgs[first_call]["tool_calls"][0]["function"]["arguments"])["expression"]
-    right = synthetic.calculate(expr)
-    wrong = _off_by_1000(right)
-    msgs[first_call + 1] = {"role": "tool", "content": wrong}
-    recheck = {"role": "assistant", "content": f"{expr} cannot be {wrong}; let me recompute.",
-               "tool_calls": [synthetic._call("calculator", expression=expr)]}
-    msgs[first_call + 2:first_call + 2] = [recheck, {"role": "tool", "content": right}]
-    return synthetic.Task("calc_faulty", seed, task.tools, msgs, task.answer, task.check, thinking=False,
-                          initial_files=task.initial_files)
 
 
 class ToolsSuite:
@@ -128,7 +107,7 @@ class ToolsSuite:
         for i in range(count):
             fam, seed = self.families[i % len(self.families)], SEED_BASE + i
             if fam == "calc_faulty":
-                out.append(_synthetic_task(f"tools-calc_faulty-{seed}", self.name, make_faulty_calc(seed), True))
+                out.append(_synthetic_task(f"tools-calc_faulty-{seed}", self.name, synthetic.make_faulty_calc(seed), True))
             else:
                 out.append(_synthetic_task(f"tools-{fam}-{seed}", self.name,
                                            synthetic.make_task(fam, seed, thinking=False)))
@@ -145,6 +124,23 @@ class MemorySuite:
             steps, seed = MEMORY_STEPS[i % len(MEMORY_STEPS)], SEED_BASE + 1000 + i
             out.append(_synthetic_task(f"memory-{steps}-{seed}", self.name,
                                        synthetic.make_task("recall", seed, thinking=False, steps=steps)))
+        return out
+
+
+class HeldoutSuite:
+    """Tools whose names, parameters and descriptions never occur in training (`clover.agent_data`'s
+    held-out pool): everyday questions and random-schema lookups; success needs reading the tools."""
+
+    name = "heldout"
+    default_count = 12
+    families = ("everyday", "lookup")
+
+    def tasks(self, count: int) -> list[HarnessTask]:
+        out = []
+        for i in range(count):
+            fam, seed = self.families[i % len(self.families)], SEED_BASE + 2000 + i
+            task = agent_data.make_training_task(fam, seed, pool="heldout")
+            out.append(_synthetic_task(f"heldout-{fam}-{seed}", self.name, task))
         return out
 
 
@@ -492,7 +488,7 @@ class HumanEvalSuite:
         return out
 
 
-SUITES = {s.name: s for s in (ToolsSuite, MemorySuite, CodingSuite, HumanEvalSuite)}
+SUITES = {s.name: s for s in (ToolsSuite, MemorySuite, HeldoutSuite, CodingSuite, HumanEvalSuite)}
 
 
 def check_suite(suite: str) -> None:

