@@ -72,6 +72,31 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--chat-train", type=int, default=20000, help="synthetic training conversations")
     b.add_argument("--chat-eval", type=int, default=200, help="synthetic validation and test conversations each")
     b.set_defaults(func=cmd_data_build)
+    d = dsub.add_parser(
+        "distill", help="self-distillation data: the model's greedy ar replies and continuations as targets",
+        description="Write a data directory whose chat shard holds training prompts followed by MODEL's greedy ar "
+                    "reply and whose code shard holds code windows followed by MODEL's greedy continuation; the "
+                    "other shards and the tokenizer link to --data. Train block diffusion on it so that previews "
+                    "agree with the causal head (higher TPF, verify keeps more drafts).",
+        epilog="example: clover data distill --model runs/sft/model --data data --out data-distill",
+    )
+    d.add_argument("--model", required=True, help="checkpoint whose ar outputs become the targets")
+    d.add_argument("--data", required=True, help="directory from `clover data build`")
+    d.add_argument("--out", required=True)
+    d.add_argument("--chat", type=int, default=1500, help="chat prompts")
+    d.add_argument("--code", type=int, default=300, help="code prompts")
+    d.add_argument("--new-tokens", type=int, default=64)
+    d.add_argument("--batch", type=int, default=32)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_data_distill)
+
+
+def cmd_data_distill(args: argparse.Namespace) -> int:
+    from clover.distill import build_distill_data
+    counts = build_distill_data(args.model, args.data, args.out, args.chat, args.code, args.new_tokens,
+                                batch=args.batch, seed=args.seed)
+    print(json.dumps(counts))
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Rebuild the shipped model clover-tiny from scratch (spec section 4, Clover's recipe at laptop scale):
-#   data -> AR pretraining -> clover convert -> block-diffusion adaptation (AR loss kept) -> chat/agent SFT -> release.
+#   data -> AR pretraining -> clover convert -> block-diffusion adaptation (AR loss kept) -> chat/agent SFT
+#   -> self-distillation (the noisy stream learns the model's own greedy ar outputs) -> release.
 # Every stage resumes where it stopped: after an interruption, run the same command again.
 # Step counts are sized for about 3 hours on 2 idle CPU cores; override them with the variables below.
 # Chat rows are packed with several conversations (--pack); SFT keeps code and English in the mix.
@@ -11,8 +12,11 @@ DATA=${DATA:-data}
 RUNS=${RUNS:-runs/recipe}
 OUT=${OUT:-clover/models/clover-tiny}
 AR_STEPS=${AR_STEPS:-1800}
-DIFF_STEPS=${DIFF_STEPS:-700}
-SFT_STEPS=${SFT_STEPS:-800}
+DIFF_STEPS=${DIFF_STEPS:-550}
+SFT_STEPS=${SFT_STEPS:-500}
+DISTILL_STEPS=${DISTILL_STEPS:-300}
+DISTILL_CHAT=${DISTILL_CHAT:-1500}
+DISTILL_CODE=${DISTILL_CODE:-300}
 MIX=code=0.45,english=0.25,chat=0.3
 SFT_MIX=chat=0.8,code=0.15,english=0.05
 
@@ -50,8 +54,15 @@ stage "chat and agent SFT"
 train "$RUNS/sft" --data "$DATA" --init "$RUNS/diff/model" --objective diffusion --sft --ar-loss-weight 1.0 \
   --steps "$SFT_STEPS" --batch-size 4 --seq-len 1024 --lr 5e-4 --warmup 30 --mix "$SFT_MIX" --pack --eval-every 200 \
   --save-every 25
+stage "self-distillation data: the SFT model's greedy ar replies and code continuations"
+[ -f "$RUNS/distill-data/tokens/counts.json" ] || "$BIN/clover" data distill --model "$RUNS/sft/model" --data "$DATA" \
+  --out "$RUNS/distill-data" --chat "$DISTILL_CHAT" --code "$DISTILL_CODE"
+stage "self-distillation"
+train "$RUNS/distill" --data "$RUNS/distill-data" --init "$RUNS/sft/model" --objective diffusion --sft \
+  --ar-loss-weight 1.0 --steps "$DISTILL_STEPS" --batch-size 4 --seq-len 1024 --lr 3e-4 --warmup 20 \
+  --mix chat=0.6,code=0.3,english=0.1 --pack --eval-every 150 --save-every 25
 stage "release to $OUT (bfloat16)"
-"$BIN/python" - "$RUNS/sft/model" "$OUT" <<'PY'
+"$BIN/python" - "$RUNS/distill/model" "$OUT" <<'PY'
 import sys
 from clover.checkpoint import load_checkpoint, save_checkpoint
 from clover.tokenizer import Tokenizer
