@@ -75,10 +75,10 @@ def prompt_sets(names: list[str], lengths: list[int], batch: int, model: CloverF
             out += [(f"random-{n}", torch.randint(0, high, (batch, n), generator=gen).tolist()) for n in lengths]
         elif tokenizer is None:
             print(f"skipping the {name} prompts: the model has no tokenizer")
-        elif name == "code":
-            out.append(("code", [tokenizer.encode(CODE[i % len(CODE)]) for i in range(batch)]))
+        elif name == "code":  # at least 8 prompts, `batch` of them decoded together
+            out.append(("code", [tokenizer.encode(CODE[i % len(CODE)]) for i in range(max(batch, 8))]))
         elif name == "agent":
-            tasks = synthetic.tasks("test", batch, ("calc", "notes", "files", "recall"))
+            tasks = synthetic.tasks("test", max(batch, 8), ("calc", "notes", "files", "recall"))
             out.append(("agent", [tokenizer.encode(tokenizer.apply_chat_template(
                 t.prompt_messages, tools=t.tools, enable_thinking=False)) for t in tasks]))
         else:
@@ -106,8 +106,6 @@ def main() -> None:
             tokenizer = Tokenizer.load(source)
         except (OSError, ValueError):
             tokenizer = None
-    engine = Engine(model)
-    separate = Engine(model, policies={"verify": VerifyPolicy(fused=False)})
     ref = transformers_twin(model)
     conditions = {
         "date": datetime.date.today().isoformat(), "machine": platform.machine(), "torch": torch.__version__,
@@ -118,6 +116,8 @@ def main() -> None:
     print("conditions:", json.dumps(conditions))
     rows = []
     for batch in map(int, args.batches.split(",")):
+        engine = Engine(model, max_batch_size=batch)
+        separate = Engine(model, max_batch_size=batch, policies={"verify": VerifyPolicy(fused=False)})
         sets = prompt_sets(args.prompts.split(","), [int(n) for n in args.prompt_lengths.split(",")], batch, model,
                            tokenizer)
         for label, prompts in sets:

@@ -254,7 +254,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--endpoint", action="append", required=True,
                    help="base URL ending in /v1, optionally NAME=URL (repeatable: endpoints side by side)")
     a.add_argument("--model", action="append", required=True, help="model name (one for all, or one per endpoint)")
-    a.add_argument("--suite", default="tools,memory", help="comma-separated: tools, memory, coding, humaneval")
+    a.add_argument("--suite", default="tools,memory", help="comma-separated: tools, memory, heldout, coding, humaneval")
     a.add_argument("--tasks", type=int, help="tasks per suite (default: tools 12, memory 12, coding 8, humaneval "
                    "all 164)")
     a.add_argument("--runs", type=int, default=3)

@@ -2,12 +2,14 @@
 
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -232,3 +234,30 @@ def test_bfloat16_training_and_plot(data_dir, tmp_path):
 
     assert cli_main(["plot", str(run), "--out", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_distill_data_holds_the_models_own_greedy_outputs_and_trains(data_dir, tmp_path):
+    from clover.checkpoint import save_checkpoint
+    from clover.distill import build_distill_data
+    from clover.engine import Engine
+    from clover.sampling import SamplingParams
+
+    tok = Tokenizer.load(data_dir / "tokenizer")
+    model = CloverForCausalLM(CloverConfig.preset("debug", mask_token_id=tok.mask_token_id,
+                                                  eos_token_id=tok.eos_token_ids)).eval()
+    save_checkpoint(model, tmp_path / "m", extra_files=tok.files())
+    counts = build_distill_data(tmp_path / "m", data_dir, tmp_path / "d", chat=6, code=3, new_tokens=8, batch=4)
+    assert counts["chat_examples"] == 6 and counts["code_examples"] == 3
+    z = np.load(tmp_path / "d" / "tokens" / "train_chat.npz")
+    ids, mask, offsets = z["ids"].astype(int), z["mask"].astype(bool), z["offsets"]
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+        row, scored = ids[a:b].tolist(), mask[a:b]
+        first = int(scored.argmax())
+        assert scored[first:].sum() >= 1 and not scored[:first].any()   # prompt unscored, reply scored
+        greedy = Engine(model).generate([row[:first]], SamplingParams(max_new_tokens=8, algorithm="ar"))[0]
+        assert row[first: first + len(greedy.token_ids)] == greedy.token_ids  # the model's own reply
+    code = np.fromfile(tmp_path / "d" / "tokens" / "train_code.bin", dtype=np.uint16)
+    assert len(code) == 3 * (192 + 8 + 1)
+    run = train(_cfg(tmp_path / "d", tmp_path / "run", objective="diffusion", sft=True, pack=True, seq_len=256,
+                     steps=2, mix="chat=0.7,code=0.3"))
+    assert math.isfinite(run["loss"])
