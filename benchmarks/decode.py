@@ -3,7 +3,8 @@ AR decoding of the same weights, and against transformers' greedy `generate` on 
 
 For each prompt set and batch size: tokens/s, TPF and engine overhead (wall time outside model
 forwards, as a share of the total) for `ar`, `verify` (each drafting policy: `fused` check + preview
-in one forward, `separate` preview then check; with drafts kept per check) and `low_confidence`
+in one forward, `separate` preview then check, fused with a check window; with drafts kept per check)
+and `low_confidence`
 (every block size x threshold), and tokens/s of transformers. Prompt sets: `random` token prompts of
 each --prompt-lengths, `code` (Python openings) and `agent` (tool-use chat turns of the synthetic
 test tasks, through the chat template); the last two need the checkpoint's tokenizer. Fixed output
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--thresholds", default="0.5,0.7,0.9,0.95,1.0")
     parser.add_argument("--block-sizes", default="4,8,16,32")
+    parser.add_argument("--verify-windows", default="8", help="also measure verify with these check windows")
     parser.add_argument("--quick", action="store_true", help="prompt 64, batch 1, block 32, threshold 0.95 only")
     args = parser.parse_args()
     if args.quick:
@@ -117,7 +119,11 @@ def main() -> None:
     rows = []
     for batch in map(int, args.batches.split(",")):
         engine = Engine(model, max_batch_size=batch)
-        separate = Engine(model, max_batch_size=batch, policies={"verify": VerifyPolicy(fused=False)})
+        verifiers = {"verify-fused": engine,
+                     "verify-separate": Engine(model, max_batch_size=batch, policies={"verify": VerifyPolicy(fused=False)})}
+        for w in args.verify_windows.split(",") if args.verify_windows else []:
+            verifiers[f"verify-fused-w{w}"] = Engine(model, max_batch_size=batch,
+                                                     policies={"verify": VerifyPolicy(window=int(w))})
         sets = prompt_sets(args.prompts.split(","), [int(n) for n in args.prompt_lengths.split(",")], batch, model,
                            tokenizer)
         for label, prompts in sets:
@@ -133,9 +139,9 @@ def main() -> None:
                 wall = time.perf_counter() - t0
                 rows.append({"prompt": label, "batch": batch, "algorithm": "transformers_generate",
                              "tokens_per_s": batch * args.new_tokens / wall, "wall_s": wall})
-            for policy, eng in (("fused", engine), ("separate", separate)):
+            for name, eng in verifiers.items():
                 r = _run(eng, prompts, base.with_(algorithm="verify"))
-                rows.append({"prompt": label, "batch": batch, "algorithm": f"verify-{policy}", **r,
+                rows.append({"prompt": label, "batch": batch, "algorithm": name, **r,
                              "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
             for bs in map(int, args.block_sizes.split(",")):
                 for th in map(float, args.thresholds.split(",")):

@@ -189,33 +189,51 @@ class LowConfidence(_Blocks):
 
 
 class VerifyPolicy(_Blocks):
-    """`verify`: drafts from the preview, checked and corrected by the causal head (spec section 5b)."""
+    """`verify`: drafts from the preview, checked and corrected by the causal head (spec section 5b).
 
-    def __init__(self, fused: bool = True) -> None:
-        self.fused = fused
+    `fused`: the check and the next preview share one forward (else a preview forward drafts before
+    each check). `window`: a check runs both streams over the block only up to `window` slots past the
+    first unverified one (None: the whole block), so that a check costs less than a full two-stream
+    block; the drafts it checks are those the last preview made inside that range, and when every one
+    is kept the causal head adds the next token itself, as `ar` would.
+    """
+
+    def __init__(self, fused: bool = True, window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"window must be a positive number of slots or None, got {window}")
+        self.fused, self.window = fused, window
+
+    def _end(self, s: SequenceState) -> int:
+        """The end of the range a check looks at: `window` slots past the first unverified one."""
+        j = int(s.resolved.sum())
+        return len(s.block) if self.window is None else min(len(s.block), j + self.window)
 
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         if not self.fused:
             stale = [s for s in seqs if s.drafts is None]
             if stale:
-                logits = engine.forward(stale, "preview", engine.pad([s.block for s in stale],
-                                                                     engine.config.mask_token_id),
-                                        [len(s.block) for s in stale])
-                for s, lg in zip(stale, logits, strict=True):
+                ends = [self._end(s) for s in stale]
+                logits = engine.forward(stale, "preview", engine.pad([s.block[:e] for s, e in zip(stale, ends,
+                                                                                                  strict=True)],
+                                                                     engine.config.mask_token_id), ends)
+                for s, lg, e in zip(stale, logits, ends, strict=True):
                     s.stats.preview_forwards += 1
-                    self._draft(engine, s, lg[: len(s.block)])
-        drafted = [torch.where(s.resolved, s.block, s.drafts) for s in seqs]
+                    self._draft(engine, s, lg[:e])
+        # each check runs the block with its drafts up to the last drafted slot in range
+        ends = [min(self._end(s), s.draft_end) for s in seqs]
+        drafted = [torch.where(s.resolved, s.block, s.drafts)[: max(e, 1)] for s, e in zip(seqs, ends, strict=True)]
         if self.fused:
             # the preview sees only verified slots: feeding it the drafts being checked (all of them, or
             # the leading ones above a confidence) gave fewer kept drafts per check on clover-tiny
-            checks, previews = engine.fused(seqs, drafted, [s.block for s in seqs], commit=False, clean_logits="all")
+            inputs = [s.block[: self._end(s)] for s in seqs]
+            checks, previews = engine.fused(seqs, drafted, inputs, commit=False, clean_logits="all")
         else:
             checks = engine.forward(seqs, "causal", engine.pad(drafted, 0), [len(d) for d in drafted], logits="all",
                                     write=False)
         finished_blocks = []
         for i, s in enumerate(seqs):
             s.stats.check_forwards += 1
-            self._check(engine, s, checks[i, : len(s.block)], events)
+            self._check(engine, s, checks[i, : len(drafted[i])], ends[i], events)
             done = bool(s.resolved.all())
             s.stats.blocks += int(done or s.finish_reason is not None)
             if s.finish_reason is not None:
@@ -223,7 +241,7 @@ class VerifyPolicy(_Blocks):
             if done:
                 finished_blocks.append(s)
             elif self.fused:
-                self._draft(engine, s, previews[i, : len(s.block)])
+                self._draft(engine, s, previews[i, : len(inputs[i])])
             else:
                 s.drafts = None
         if finished_blocks:
@@ -236,47 +254,56 @@ class VerifyPolicy(_Blocks):
         self._draft(engine, s, logits)
 
     def _draft(self, engine: Engine, s: SequenceState, logits: torch.Tensor) -> None:
-        """Draft every unresolved slot from preview logits [S,V] (argmax, or a sample whose distribution
-        is kept for the speculative acceptance)."""
-        masked = ~s.resolved
+        """Draft the unresolved slots that preview logits [E,V] cover (the first E slots of the block):
+        argmax, or a sample whose distribution is kept for the speculative acceptance."""
+        s.draft_end = logits.shape[0]
+        masked = ~s.resolved[: s.draft_end]
         lg = engine.mask_out(logits[masked])
         s.drafts = s.block.clone()
         if s.params.temperature == 0:
-            s.drafts[masked] = pick_tokens(lg, s.params, s.counts, s.generator)[0]
+            s.drafts[: s.draft_end][masked] = pick_tokens(lg, s.params, s.counts, s.generator)[0]
             s.draft_probs = None
         else:
             probs = token_distribution(lg, s.params, s.counts)                    # [M,V]
-            s.drafts[masked] = sample_from(probs, s.generator)
+            s.drafts[: s.draft_end][masked] = sample_from(probs, s.generator)
             s.draft_probs = torch.zeros(len(s.block), probs.shape[-1], device=probs.device)
-            s.draft_probs[masked] = probs
+            s.draft_probs[: s.draft_end][masked] = probs
 
-    def _check(self, engine: Engine, s: SequenceState, causal: torch.Tensor, events: list[Event]) -> None:
-        """Keep the drafts the causal head agrees with, from the first unverified slot on; logits [S,V] at
-        slot i predict slot i + 1, and `s.carry` predicts slot 0."""
+    def _check(self, engine: Engine, s: SequenceState, causal: torch.Tensor, end: int, events: list[Event]) -> None:
+        """Keep the drafts of slots j .. end-1 that the causal head agrees with (j: the first unverified
+        slot); causal logits [E,V] at slot i predict slot i + 1, and `s.carry` predicts slot 0. When all
+        are kept and the block goes on, the causal head's own token for slot `end` follows."""
         j = int(s.resolved.sum())                              # slots < j are verified (a prefix)
-        preds = causal[max(j - 1, 0): len(s.block) - 1]
+        preds = causal[max(j - 1, 0): end]                     # predictions for slots j .. end
         if j == 0:
             preds = torch.cat([s.carry[None], preds])
-        probs = None if s.draft_probs is None else s.draft_probs[j:]
-        tokens, kept = verify_drafts(engine.mask_out(preds), s.drafts[j:], probs, s.params, s.counts, s.generator)
+        preds = engine.mask_out(preds[: len(s.block) - j])
+        m = end - j                                            # drafts checked
+        probs = None if s.draft_probs is None else s.draft_probs[j:end]
+        tokens, kept = verify_drafts(preds[:m], s.drafts[j:end], probs, s.params, s.counts, s.generator)
+        if kept == m and end < len(s.block):                   # every draft kept: the causal head goes on
+            bonus = token_distribution(preds[m: m + 1], s.params, s.counts) if s.params.temperature > 0 else None
+            t = int(sample_from(bonus, s.generator)[0]) if bonus is not None else \
+                int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])
+            tokens.append(t)
+            s.counts[t] += 1
         s.step += 1
-        end = j + len(tokens)
-        s.block[j:end] = torch.tensor(tokens, device=s.block.device)
-        s.resolved[j:end] = True
-        s.block_steps[j:end] = [s.step] * len(tokens)
-        s.stats.drafts_proposed += len(s.block) - j
+        stop = j + len(tokens)
+        s.block[j:stop] = torch.tensor(tokens, device=s.block.device)
+        s.resolved[j:stop] = True
+        s.block_steps[j:stop] = [s.step] * len(tokens)
+        s.stats.drafts_proposed += m
         s.stats.drafts_accepted += kept
         if s.params.record_steps:
             draft = torch.where(s.resolved, s.block, s.drafts)
-            draft[j:] = s.drafts[j:]
+            draft[j:end] = s.drafts[j:end]
             conf = torch.ones(len(s.block))
             if probs is not None:
-                conf[j:] = probs.gather(-1, s.drafts[j:, None]).squeeze(-1).float().cpu()
+                conf[j:end] = probs.gather(-1, s.drafts[j:end, None]).squeeze(-1).float().cpu()
             s.trace.append(StepRecord(
                 step=s.step, block=s.pos // s.block_size, start=s.pos, fixed=s.fixed,
                 tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
-                confidence=conf.tolist(), accepted=list(range(j, end)),
-                rejected=[j + kept] if kept < len(s.block) - j else [],
+                confidence=conf.tolist(), accepted=list(range(j, stop)), rejected=[j + kept] if kept < m else [],
             ))
         engine.emit_final(s, tokens, [s.step] * len(tokens), events)
 

@@ -150,6 +150,8 @@ def verify_drafts(
     distribution exactly.
     """
     m = drafts.shape[0]
+    if m == 0:
+        return [], 0
     if params.temperature == 0 and not _has_penalties(params):
         picks = pick_tokens(logits, params, counts, generator)[0]                  # [M]
         agree = (picks == drafts).int()

@@ -105,5 +105,6 @@ class SequenceState:
     # verify: drafts for the unresolved slots, their draft distributions (temperature > 0) and the
     # causal head's logits for the block's first slot (from the forward that committed the prefix)
     drafts: torch.Tensor | None = None
+    draft_end: int = 0                         # slots < draft_end hold drafts (or verified tokens)
     draft_probs: torch.Tensor | None = None
     carry: torch.Tensor | None = None

@@ -44,11 +44,11 @@ def _prompts(vocab: int = 500, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_greedy_verify_equals_ar_token_for_token(model, fused):
+@pytest.mark.parametrize(("fused", "window"), [(True, None), (False, None), (True, 3), (False, 1)])
+def test_greedy_verify_equals_ar_token_for_token(model, fused, window):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     ar = Engine(model).generate(_prompts(), params.with_(algorithm="ar"))
-    engine = Engine(model, policies={"verify": VerifyPolicy(fused=fused)})
+    engine = Engine(model, policies={"verify": VerifyPolicy(fused=fused, window=window)})
     ve = engine.generate(_prompts(), params.with_(algorithm="verify"))
     assert [v.token_ids for v in ve] == [a.token_ids for a in ar]
     for v in ve:
@@ -185,19 +185,22 @@ def test_sampled_verify_follows_the_ar_distribution():
         lumped = (counts[~keep].sum() - expected[~keep].sum()) ** 2 / max(float(expected[~keep].sum()), 1e-9)
         return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum() + lumped), int(keep.sum())
 
-    def run(alg, t):
+    def run(alg, t, policy=None):
         params = [SamplingParams(max_new_tokens=3, temperature=t, seed=i, ignore_eos=True, algorithm=alg)
                   for i in range(n)]
-        return Engine(m, max_batch_size=n).generate([prompt] * n, params)
+        return Engine(m, max_batch_size=n, policies=policy).generate([prompt] * n, params)
 
-    ve = run("verify", temp)
-    assert sum(r.stats.drafts_accepted for r in ve) > n // 10   # both branches of the acceptance rule run
-    assert sum(r.stats.drafts_proposed - r.stats.drafts_accepted for r in ve) > n // 10
-    tokens = torch.tensor([r.token_ids for r in ve])
     crit = {k: k + 3.1 * math.sqrt(2 * k) + 6 for k in range(1, usable + 1)}  # about the 0.001 tail
-    for pos in range(3):
-        stat, dof = chi2(tokens[:, pos], exact[pos])
-        assert stat < crit[dof], (pos, stat, dof)
+    # the whole block drafted at once; and a window of one draft, where a kept draft is followed by
+    # the causal head's own sampled token
+    for policy in (None, {"verify": VerifyPolicy(window=1)}):
+        ve = run("verify", temp, policy)
+        assert sum(r.stats.drafts_accepted for r in ve) > n // 10   # both branches of the acceptance rule run
+        assert sum(r.stats.drafts_proposed - r.stats.drafts_accepted for r in ve) > n // 10
+        tokens = torch.tensor([r.token_ids for r in ve])
+        for pos in range(3):
+            stat, dof = chi2(tokens[:, pos], exact[pos])
+            assert stat < crit[dof], (policy, pos, stat, dof)
     # the test has power: samples at another temperature are rejected at the third position
     other = torch.tensor([r.token_ids for r in run("ar", 1.6)])
     assert max(chi2(other[:, pos], exact[pos])[0] - crit[chi2(other[:, pos], exact[pos])[1]] for pos in range(3)) > 0
