@@ -177,6 +177,9 @@ class AsyncEngine:
             self.stats.steps += 1
             self.stats.step_seconds += time.perf_counter() - t0
             for ev in events:
+                if ev.error is not None:  # this request failed alone; the others go on
+                    self._deliver(ev.request_id, RuntimeError(f"generation failed: {ev.error}"))
+                    continue
                 if ev.finished and ev.result is not None:
                     self.stats.finished += 1
                     self.stats.generated_tokens += ev.result.stats.generated_tokens

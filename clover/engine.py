@@ -11,7 +11,9 @@ finishing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import random
 import time
 from collections import deque
@@ -26,6 +28,7 @@ from clover.sampling import SamplingParams
 from clover.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
 
 __all__ = ["Engine", "Event", "GenerationResult", "GenerationStats", "StepRecord"]
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -209,6 +212,17 @@ class Engine:
         logits[..., self.config.mask_token_id] = float("-inf")
         return logits
 
+    @contextlib.contextmanager
+    def isolated(self, s: SequenceState, events: list[Event]) -> Iterator[None]:
+        """Run one sequence's share of a step; an exception ends that sequence alone (finish reason
+        "error", the message in its last event), never the others of the batch."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("request %s failed", s.rid)
+            if s.finish_reason is None:
+                self.finish(s, [], [], "error", events, error=f"{type(exc).__name__}: {exc}")
+
     def is_stop_token(self, s: SequenceState, t: int) -> bool:
         return (t in self.eos_ids and not s.params.ignore_eos) or t in s.params.stop_token_ids
 
@@ -264,7 +278,7 @@ class Engine:
         return delta
 
     def finish(self, s: SequenceState, tokens: list[int], steps: list[int], reason: str, events: list[Event],
-               text: str | None = None) -> None:
+               text: str | None = None, error: str | None = None) -> None:
         s.generated.extend(tokens)
         s.accept_steps.extend(steps)
         s.finish_reason = reason
@@ -277,7 +291,7 @@ class Engine:
             text=s.text if self.tokenizer is not None else None, finish_reason=reason, stats=s.stats,
             accept_steps=list(s.accept_steps) if record else None, trace=s.trace if record else None,
         )
-        events.append(Event(s.rid, self._new_tokens(s), delta, True, result))
+        events.append(Event(s.rid, self._new_tokens(s), delta, True, result, error))
 
     def _retire(self) -> None:
         for s in [s for s in self.running if s.finish_reason is not None]:

@@ -51,14 +51,16 @@ class AutoRegressive:
                                 logits="last")
         for s, lg in zip(seqs, logits, strict=True):
             s.pos = len(s.prompt)
-            self._token(engine, s, lg, events)
+            with engine.isolated(s, events):
+                self._token(engine, s, lg, events)
 
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         ids = torch.tensor([[s.generated[-1]] for s in seqs], device=engine.model.device)
         logits = engine.forward(seqs, "causal", ids, [1] * len(seqs), logits="last")
         for s, lg in zip(seqs, logits, strict=True):
             s.pos += 1
-            self._token(engine, s, lg, events)
+            with engine.isolated(s, events):
+                self._token(engine, s, lg, events)
 
     def _token(self, engine: Engine, s: SequenceState, logits: torch.Tensor, events: list[Event]) -> None:
         s.stats.commit_forwards += 1
@@ -95,7 +97,8 @@ class _Blocks:
         for i, s in enumerate(seqs):
             s.stats.prefill_forwards += int(s.pos > 0)
             s.stats.preview_forwards += 1
-            self.after_preview(engine, s, logits[i, : len(s.block)], last[i] if s.pos > 0 else None, events)
+            with engine.isolated(s, events):
+                self.after_preview(engine, s, logits[i, : len(s.block)], last[i] if s.pos > 0 else None, events)
 
     def commit(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         """Commit each finished block fused with the first preview of the sequence's next block."""
@@ -106,7 +109,8 @@ class _Blocks:
         last, logits = engine.fused(seqs, done, [s.block for s in seqs], commit=True, clean_logits="last")
         for i, s in enumerate(seqs):
             s.stats.commit_forwards += 1
-            self.after_preview(engine, s, logits[i, : len(s.block)], last[i], events)
+            with engine.isolated(s, events):
+                self.after_preview(engine, s, logits[i, : len(s.block)], last[i], events)
 
     def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
                       events: list[Event]) -> None:
@@ -127,8 +131,9 @@ class LowConfidence(_Blocks):
                                     [len(s.block) for s in open_])
             for s, lg in zip(open_, logits, strict=True):
                 s.stats.preview_forwards += 1
-                self._accept(engine, s, lg[: len(s.block)])
-        self._complete(engine, [s for s in seqs if bool(s.resolved.all())], events)
+                with engine.isolated(s, events):
+                    self._accept(engine, s, lg[: len(s.block)])
+        self._complete(engine, [s for s in seqs if s.finish_reason is None and bool(s.resolved.all())], events)
 
     def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
                       events: list[Event]) -> None:
@@ -139,7 +144,8 @@ class LowConfidence(_Blocks):
         go_on = []
         for s in seqs:
             s.stats.blocks += 1
-            engine.emit_final(s, s.block[s.fixed:].tolist(), s.block_steps[s.fixed:], events)
+            with engine.isolated(s, events):
+                engine.emit_final(s, s.block[s.fixed:].tolist(), s.block_steps[s.fixed:], events)
             if s.finish_reason is None:
                 go_on.append(s)
         if go_on:
@@ -218,7 +224,11 @@ class VerifyPolicy(_Blocks):
                                                                      engine.config.mask_token_id), ends)
                 for s, lg, e in zip(stale, logits, ends, strict=True):
                     s.stats.preview_forwards += 1
-                    self._draft(engine, s, lg[:e])
+                    with engine.isolated(s, events):
+                        self._draft(engine, s, lg[:e])
+            seqs = [s for s in seqs if s.finish_reason is None]
+            if not seqs:
+                return
         # each check runs the block with its drafts up to the last drafted slot in range
         ends = [min(self._end(s), s.draft_end) for s in seqs]
         drafted = [torch.where(s.resolved, s.block, s.drafts)[: max(e, 1)] for s, e in zip(seqs, ends, strict=True)]
@@ -233,7 +243,8 @@ class VerifyPolicy(_Blocks):
         finished_blocks = []
         for i, s in enumerate(seqs):
             s.stats.check_forwards += 1
-            self._check(engine, s, checks[i, : len(drafted[i])], ends[i], events)
+            with engine.isolated(s, events):
+                self._check(engine, s, checks[i, : len(drafted[i])], ends[i], events)
             done = bool(s.resolved.all())
             s.stats.blocks += int(done or s.finish_reason is not None)
             if s.finish_reason is not None:
@@ -241,7 +252,8 @@ class VerifyPolicy(_Blocks):
             if done:
                 finished_blocks.append(s)
             elif self.fused:
-                self._draft(engine, s, previews[i, : len(inputs[i])])
+                with engine.isolated(s, events):
+                    self._draft(engine, s, previews[i, : len(inputs[i])])
             else:
                 s.drafts = None
         if finished_blocks:
@@ -260,7 +272,7 @@ class VerifyPolicy(_Blocks):
         masked = ~s.resolved[: s.draft_end]
         lg = engine.mask_out(logits[masked])
         s.drafts = s.block.clone()
-        if s.params.temperature == 0:
+        if s.params.greedy:
             s.drafts[: s.draft_end][masked] = pick_tokens(lg, s.params, s.counts, s.generator)[0]
             s.draft_probs = None
         else:
@@ -282,7 +294,7 @@ class VerifyPolicy(_Blocks):
         probs = None if s.draft_probs is None else s.draft_probs[j:end]
         tokens, kept = verify_drafts(preds[:m], s.drafts[j:end], probs, s.params, s.counts, s.generator)
         if kept == m and end < len(s.block):                   # every draft kept: the causal head goes on
-            bonus = token_distribution(preds[m: m + 1], s.params, s.counts) if s.params.temperature > 0 else None
+            bonus = token_distribution(preds[m: m + 1], s.params, s.counts) if not s.params.greedy else None
             t = int(sample_from(bonus, s.generator)[0]) if bonus is not None else \
                 int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])
             tokens.append(t)

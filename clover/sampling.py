@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 ALGORITHMS = ("low_confidence", "ar", "verify")
+# Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows to inf.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,10 @@ class SamplingParams:
 
     def with_(self, **changes: object) -> SamplingParams:
         return replace(self, **changes)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field."""
@@ -105,11 +111,17 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 def token_distribution(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor) -> torch.Tensor:
     """The distribution a token is drawn from at each row of logits [M,V]: penalties, then temperature,
     top-k and top-p; at temperature 0 a one-hot on the argmax. Returns probabilities [M,V] in fp32."""
-    logits = apply_penalties(logits.float(), counts, params)
-    if params.temperature == 0:  # the argmax exactly as pick_tokens takes it
+    logits = _finite(apply_penalties(logits.float(), counts, params))
+    if params.greedy:  # the argmax exactly as pick_tokens takes it
         return torch.zeros_like(logits).scatter_(-1, torch.softmax(logits, -1).argmax(-1, keepdim=True), 1.0)
-    logits = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    logits = _filter_top_k_top_p(_finite(logits / params.temperature), params.top_k, params.top_p)
     return torch.softmax(logits, dim=-1)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf and +inf -> the largest float, so that a softmax over a row is always defined (a
+    row of only -inf stays: the mask token and filtered tokens are -inf, never all of them)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -122,8 +134,8 @@ def pick_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Penalties, then argmax (temperature 0) or a sample. Returns (tokens [M], confidence [M]):
     the probability of the chosen token under the distribution it was drawn from."""
-    if params.temperature == 0:
-        probs = torch.softmax(apply_penalties(logits.float(), counts, params), dim=-1)
+    if params.greedy:
+        probs = torch.softmax(_finite(apply_penalties(logits.float(), counts, params)), dim=-1)
         conf, tokens = probs.max(dim=-1)
         return tokens, conf
     probs = token_distribution(logits, params, counts)
@@ -152,7 +164,7 @@ def verify_drafts(
     m = drafts.shape[0]
     if m == 0:
         return [], 0
-    if params.temperature == 0 and not _has_penalties(params):
+    if params.greedy and not _has_penalties(params):
         picks = pick_tokens(logits, params, counts, generator)[0]                  # [M]
         agree = (picks == drafts).int()
         kept = int(agree.cumprod(0).sum())
@@ -163,7 +175,7 @@ def verify_drafts(
     for i in range(m):
         p = token_distribution(logits[i : i + 1], params, counts)[0]              # [V]
         x = int(drafts[i])
-        if params.temperature == 0:
+        if params.greedy:
             keep = int(p.argmax()) == x
         else:
             q = draft_probs[i]
@@ -172,7 +184,7 @@ def verify_drafts(
             tokens.append(x)
             counts[x] += 1
             continue
-        if params.temperature == 0:
+        if params.greedy:
             t = int(p.argmax())
         else:
             residual = (p - draft_probs[i]).clamp(min=0)

@@ -62,7 +62,7 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str        # "stop" (end of sequence, stop token or stop string), "length", "abort"
+    finish_reason: str        # "stop" (end of sequence, stop token or stop string), "length", "abort", "error"
     stats: GenerationStats
     accept_steps: list[int] | None = None   # per generated token: the step that accepted it
     trace: list[StepRecord] | None = None
@@ -77,6 +77,7 @@ class Event:
     text: str
     finished: bool = False
     result: GenerationResult | None = None
+    error: str | None = None                   # set when this request failed (finish_reason "error")
 
 
 @dataclass

@@ -95,3 +95,48 @@ def test_eos_ends_generation_on_a_real_model():
         result = Engine(model).generate([PROMPTS[0]], SamplingParams(max_new_tokens=20, algorithm=algorithm))[0]
         assert result.finish_reason == "stop" and 510 not in result.token_ids
         assert len(result.token_ids) < 20
+
+
+def test_degenerate_sampling_values_decode_instead_of_failing(sharp_model):
+    # temperatures too small to divide by are greedy; penalties that overflow stay finite
+    engine = Engine(sharp_model)
+    greedy = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True, algorithm="ar"))[0]
+    for algorithm in ("ar", "low_confidence", "verify"):
+        for extreme in (dict(temperature=1e-300, seed=1), dict(temperature=5e-324, seed=1),
+                        dict(temperature=0.7, repetition_penalty=1e-300, seed=1)):
+            r = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True, algorithm=algorithm,
+                                                             **extreme))[0]
+            assert r.finish_reason == "length" and len(r.token_ids) == 12, (algorithm, extreme)
+            if extreme["temperature"] < 1e-5 and algorithm != "low_confidence":
+                assert r.token_ids == greedy.token_ids
+
+
+def test_a_failing_request_ends_alone_and_the_batch_goes_on(sharp_model, monkeypatch):
+    import clover.policies
+
+    real = clover.policies.pick_tokens
+
+    def poisoned(logits, params, counts, generator):  # fails inside every policy's own code, for seed 666
+        if params.seed == 666 and counts.sum() >= 2:
+            raise RuntimeError("poisoned")
+        return real(logits, params, counts, generator)
+
+    monkeypatch.setattr(clover.policies, "pick_tokens", poisoned)
+    algs = ["ar", "verify", "low_confidence", "verify", "ar", "low_confidence", "verify", "ar"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    for bad in (0, 1, 2):  # the poisoned request decodes with ar, verify, low_confidence
+        params = [SamplingParams(max_new_tokens=10, ignore_eos=True, algorithm=a, seed=666 if i == bad else i)
+                  for i, a in enumerate(algs)]
+        engine = Engine(sharp_model, max_batch_size=8)
+        events = []
+        for p, sp in zip(prompts, params, strict=True):
+            engine.add_request(p, sp)
+        while engine.has_unfinished():
+            events += engine.step()
+        ends = {e.request_id: e for e in events if e.finished}
+        assert ends[f"req-{bad}"].result.finish_reason == "error"
+        assert ends[f"req-{bad}"].error == "RuntimeError: poisoned"
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            if i != bad:
+                alone = Engine(sharp_model).generate([p], sp)[0]
+                assert ends[f"req-{i}"].result.token_ids == alone.token_ids and ends[f"req-{i}"].error is None
