@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from clover.chat import StreamingParser, parse_output
+from clover.chat import StreamingParser, parse_output, validate_tools
 from clover.checkpoint import default_model_dir, load_checkpoint, load_generation_config
 from clover.engine import Engine, GenerationResult
 from clover.model import CloverForCausalLM
@@ -83,6 +83,18 @@ def sampling_params(args: argparse.Namespace, defaults: dict) -> SamplingParams:
     )
 
 
+def _read_tools(path: str) -> list[dict]:
+    try:
+        tools = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read --tools {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--tools {path} is not valid JSON ({exc.msg}, line {exc.lineno})") from exc
+    if not isinstance(tools, list):
+        raise ValueError(f"--tools {path} must hold a JSON list of OpenAI tool definitions")
+    return validate_tools(tools)
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.file:
         return Path(args.file).read_text()
@@ -109,10 +121,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args, loaded.defaults)
     tok = loaded.tokenizer
     prompt = text
+    tools = _read_tools(args.tools) if args.tools else None
+    if tools and not args.chat:
+        raise ValueError("--tools needs --chat: tools are offered in a chat turn")
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": text}]
-        prompt = tok.apply_chat_template(messages, enable_thinking=not args.no_think)
+        prompt = tok.apply_chat_template(messages, tools=tools, enable_thinking=not args.no_think)
     engine = Engine(loaded.model, tok)
     streaming = not (args.json or args.show_steps)
     result = None
@@ -128,8 +143,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                "prompt_tokens": len(result.prompt_ids), "stats": result.stats.to_dict(),
                "sampling": {k: v for k, v in params.__dict__.items() if k != "record_steps"}}
         if args.chat:
-            parsed = parse_output(result.text, thinking=not args.no_think)
+            parsed = parse_output(result.text, thinking=not args.no_think, tools=tools)
             out.update(reasoning=parsed.reasoning, content=parsed.content)
+            if tools:
+                out["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
+                out["tool_call_errors"] = parsed.errors
         if params.record_steps:
             out["accept_steps"] = result.accept_steps
         print(json.dumps(out))
@@ -158,6 +176,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--no-think", action="store_true", help="thinking off (with --chat)")
+    p.add_argument("--tools", metavar="FILE.json", help="OpenAI tool definitions offered in the chat turn (with --chat); "
+                                                        "--json then lists the parsed tool calls")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     _add_model_options(p)
     _add_decoding_options(p)

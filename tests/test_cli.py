@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +99,22 @@ def test_generate_bad_input_is_one_line_and_non_zero(text_model, args, message):
     out = _run(*args, "--model", text_model)
     assert out.returncode == 1
     assert message in out.stderr and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+
+
+def test_generate_offers_tools_in_the_chat_turn_and_lists_calls(text_model, tmp_path):
+    tools = Path(__file__).resolve().parents[1] / "examples" / "tools.json"
+    out = _run("generate", "What is the weather in Oslo?", "--model", text_model, "--chat", "--no-think", "--tools",
+               str(tools), "--max-new-tokens", "8", "--json", "--algorithm", "verify")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert isinstance(data["tool_calls"], list) and isinstance(data["tool_call_errors"], list)
+    assert data["stats"]["check_forwards"] >= 1
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    for args, message in ((["--tools", str(tmp_path / "bad.json"), "--chat"], "must hold a JSON list"),
+                          (["--tools", str(tmp_path / "none.json"), "--chat"], "cannot read --tools"),
+                          (["--tools", str(tools)], "--tools needs --chat")):
+        bad = _run("generate", "hi", "--model", text_model, *args)
+        assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_generate_unknown_model_path():
