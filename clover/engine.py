@@ -11,6 +11,7 @@ finishing.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import logging
@@ -240,15 +241,16 @@ class Engine:
         then on max_new_tokens."""
         s.generated.extend(tokens)
         s.accept_steps.extend(steps)
+        if self.tokenizer is not None:
+            self._detokenize(s)
         if s.params.stop:
-            text = self.tokenizer.decode(s.generated)
-            hits = [(text.find(stop), stop) for stop in s.params.stop if stop in text]
-            if hits:
-                at, stop = min(hits)
+            hit = self._find_stop(s)
+            if hit is not None:
+                at, end = hit
                 # keep the tokens up to the one that completes the stop string; the text ends before it
-                m = next(m for m in range(1, len(s.generated) + 1) if stop in self.tokenizer.decode(s.generated[:m]))
+                m = s.ends_at[bisect.bisect_left(s.ends, end)]
                 del s.generated[m:], s.accept_steps[m:]
-                self.finish(s, [], [], "stop", events, text=text[:at])
+                self.finish(s, [], [], "stop", events, text=s.decoded[:at])
                 return
         if stopped:
             self.finish(s, [], [], "stop", events)
@@ -258,6 +260,29 @@ class Engine:
             return
         events.append(Event(s.rid, self._new_tokens(s), self._text_delta(s, final=False)))
 
+    def _detokenize(self, s: SequenceState) -> None:
+        """Extend `s.decoded` over the new tokens, one token at a time, each decoded only with the few
+        before it (so the cost does not grow with the output): a token that ends inside a multi-byte
+        character waits for the next one."""
+        decode = self.tokenizer.decode
+        for i in range(s.read_offset, len(s.generated)):
+            text = decode(s.generated[s.prefix_offset: i + 1])
+            if text.endswith("\ufffd") and i + 1 - s.read_offset < 4:
+                continue  # an incomplete character (UTF-8 needs at most 4 bytes)
+            s.decoded += text[len(s.prefix_text):]
+            s.prefix_offset, s.read_offset = s.read_offset, i + 1
+            s.prefix_text = decode(s.generated[s.prefix_offset: s.read_offset])
+            s.ends.append(len(s.decoded))
+            s.ends_at.append(i + 1)
+
+    def _find_stop(self, s: SequenceState) -> tuple[int, int] | None:
+        """The earliest stop string in the text decoded since the last search: (start, end) or None."""
+        longest = max(len(stop) for stop in s.params.stop)
+        start = max(0, s.searched - longest + 1)
+        s.searched = len(s.decoded)
+        hits = [(at, at + len(stop)) for stop in s.params.stop if (at := s.decoded.find(stop, start)) >= 0]
+        return min(hits) if hits else None
+
     def _new_tokens(self, s: SequenceState) -> list[int]:
         new = s.generated[s.emitted:]
         s.emitted = len(s.generated)
@@ -266,10 +291,13 @@ class Engine:
     def _text_delta(self, s: SequenceState, final: bool, text: str | None = None) -> str:
         if self.tokenizer is None:
             return ""
-        full = self.tokenizer.decode(s.generated) if text is None else text
-        if not final:
-            # hold back an incomplete UTF-8 character and any tail that could start a stop string
-            full = full.rstrip("\ufffd")
+        if text is not None:
+            full = text
+        elif final:
+            full = s.decoded + self.tokenizer.decode(s.generated[s.prefix_offset:])[len(s.prefix_text):]
+        else:
+            # whole characters only; hold back any tail that could start a stop string
+            full = s.decoded
             hold = max((k for stop in s.params.stop for k in range(len(stop) - 1, 0, -1) if full.endswith(stop[:k])),
                        default=0)
             full = full[: len(full) - hold]

@@ -96,6 +96,16 @@ class SequenceState:
     trace: list[StepRecord] = field(default_factory=list)
     text: str = ""                             # text already emitted
     emitted: int = 0                           # tokens already emitted
+    # incremental detokenisation: `decoded` is the text of generated[:read_offset] (whole characters);
+    # `prefix_text` decodes generated[prefix_offset:read_offset]; `ends[i]` is len(decoded) after
+    # stable point i and `ends_at[i]` the token count there; stop strings were searched up to `searched`
+    decoded: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    prefix_text: str = ""
+    ends: list[int] = field(default_factory=list)
+    ends_at: list[int] = field(default_factory=list)
+    searched: int = 0
     step: int = 0
     pos: int = 0                               # committed positions in the cache
     block: torch.Tensor | None = None          # current block token ids [S]

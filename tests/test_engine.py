@@ -3,6 +3,7 @@
 import pytest
 from fakes import CharTokenizer, ScriptedModel
 
+from clover.config import CloverConfig
 from clover.engine import Engine
 from clover.sampling import SamplingParams
 
@@ -147,3 +148,35 @@ def test_abort_frees_the_row():
     engine.step()
     assert engine.abort(a) and not engine.has_unfinished() and engine.cache is None
     assert not engine.abort("nope")
+
+
+def test_incremental_text_equals_a_full_decode_at_every_split():
+    """The engine decodes each new token with only the few before it; on multi-byte characters split
+    across tokens and chunks of any size, the streamed text equals decoding everything at once."""
+    import random
+    from pathlib import Path
+
+    from clover.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(Path(__file__).resolve().parents[1] / "clover" / "models" / "clover-tiny")
+    text = "naïve café — 東京 ☃ emoji 🙂🙂 done\n" * 3
+    ids = tok.encode(text)
+    assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # some tokens end inside a character
+    model = ScriptedModel(lambda j, pos: (ids[(pos - 8) % len(ids)], 0.99),
+                          ar_script=lambda pos: (ids[(pos - 8) % len(ids)], 0.99),
+                          config=CloverConfig.preset("debug", vocab_size=tok.vocab_size, mask_token_id=tok.mask_token_id,
+                                                     eos_token_id=tok.eos_token_ids))
+    rng = random.Random(0)
+    for algorithm in ("ar", "low_confidence"):
+        engine = Engine(model, tokenizer=tok)
+        params = SamplingParams(max_new_tokens=len(ids), ignore_eos=True, algorithm=algorithm,
+                                block_size=rng.choice([2, 3, 5, 8]))
+        streamed = "".join(ev.text for ev in engine.stream(list(range(8)), params))
+        assert streamed == tok.decode(ids) == text
+    stop = "🙂 done"
+    for algorithm in ("ar", "low_confidence"):
+        result = Engine(model, tokenizer=tok).generate([list(range(8))], SamplingParams(
+            max_new_tokens=len(ids), ignore_eos=True, algorithm=algorithm, stop=(stop,)))[0]
+        assert result.text == text[: text.index(stop)] and result.finish_reason == "stop"
+        k = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+        assert result.token_ids == ids[:k]
