@@ -298,8 +298,10 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from clover.server import serve
 
+    if args.prefix_cache_bytes < 0:
+        raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {args.prefix_cache_bytes}")
     serve(args.model, args.host, args.port, args.api_key, args.max_batch_size, args.max_queue, args.dtype,
-          args.device, args.served_model_name)
+          args.device, args.served_model_name, args.prefix_cache_bytes)
     return 0
 
 
@@ -320,4 +322,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     p.add_argument("--served-model-name", help="the model id clients use (default: the directory name)")
+    p.add_argument("--prefix-cache-bytes", type=int, default=256 << 20,
+                   help="memory for prefixes kept across requests (default 256 MiB; 0 turns it off)")
     p.set_defaults(func=cmd_serve)

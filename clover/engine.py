@@ -25,6 +25,7 @@ import torch
 from clover.cache import PrefixCache
 from clover.model import CloverForCausalLM
 from clover.policies import POLICIES, Policy
+from clover.prefix_cache import PrefixStore, block_keys
 from clover.sampling import SamplingParams
 from clover.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
 
@@ -34,11 +35,14 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: CloverForCausalLM, tokenizer: object | None = None, max_batch_size: int = 32,
-                 policies: dict[str, Policy] | None = None) -> None:
+                 policies: dict[str, Policy] | None = None, prefix_cache_bytes: int = 0) -> None:
         """`tokenizer` (optional) needs `decode(ids) -> str`; it enables text output and stop strings.
-        `policies` replaces the decoding policies by algorithm name (default: `clover.policies.POLICIES`)."""
+        `policies` replaces the decoding policies by algorithm name (default: `clover.policies.POLICIES`).
+        `prefix_cache_bytes` > 0 keeps committed prefixes for later requests (`clover.prefix_cache`)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"the prefix cache budget must be >= 0 bytes (0: off), got {prefix_cache_bytes}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -51,6 +55,7 @@ class Engine:
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
         self.forward_seconds = 0.0  # wall time inside model forwards, all sequences together
+        self.prefix = PrefixStore(self.config.block_size, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -165,14 +170,66 @@ class Engine:
         for s in admitted:
             s.row = self.free_rows.pop(0)
         self.cache.reset_rows([s.row for s in admitted])
+        if self.prefix is not None:
+            for s in admitted:
+                self._reuse_prefix(s)
         self.running.extend(admitted)
         return admitted
+
+    # -- prefix cache --------------------------------------------------------------------------------
+    def _reuse_prefix(self, s: SequenceState) -> None:
+        """Restore the longest cached block prefix of the prompt that the sequence's policy may reuse."""
+        size = self.prefix.block_size
+        limit = self.policies[s.params.algorithm].reusable(s) // size
+        keys = block_keys(s.prompt[: limit * size], size)
+        n = self.prefix.match(keys, limit)
+        stats = self.prefix.stats
+        stats.lookups += 1
+        stats.tokens_looked_up += limit * size
+        if n:
+            self.prefix.restore(self.cache, s.row, keys[:n])
+            s.pos = s.stats.cached_tokens = n * size
+            s.chain = keys[:n]
+            stats.hits += 1
+            stats.tokens_reused += n * size
+
+    def _remember(self, seqs: list[SequenceState], before: list[int], rings: dict[int, torch.Tensor],
+                  trace: dict) -> None:
+        """Snapshot every block boundary the last cache-writing forward crossed (`before`: each row's
+        length before it; `rings`: GDN conv rings before it; `trace`: GDN outputs with chunk states)."""
+        size, cache = self.prefix.block_size, self.cache
+        gdn = [i for i, st in enumerate(cache.states) if st is not None]
+        for idx, s in enumerate(seqs):
+            old, new = before[idx], int(cache.lengths[s.row])
+            if new // size == old // size:
+                continue
+            tokens = (s.prompt + s.generated)[:new]
+            s.chain = block_keys(tokens, size, s.chain)
+            for b in range(old // size, new // size):
+                end = (b + 1) * size
+                if end == new:
+                    states = [cache.states[i][s.row] if i in gdn else None for i in range(len(cache.states))]
+                    ring = [cache.rings[i][s.row] if i in gdn else None for i in range(len(cache.rings))]
+                elif old % size == 0 and all(trace.get(i) is not None and trace[i].chunk_states is not None
+                                             for i in gdn):
+                    c = (end - old) // size                                 # the chunk that starts at `end`
+                    states = [trace[i].chunk_states[idx, :, c] if i in gdn else None for i in range(len(cache.states))]
+                    ring = [None] * len(cache.rings)
+                    for i in gdn:
+                        rows = torch.cat([rings[i][idx].to(trace[i].u.dtype), trace[i].u[idx]])  # [W-1+T,Q]
+                        ring[i] = rows[end - old: end - old + rows.shape[0] - trace[i].u.shape[1]]
+                else:
+                    continue
+                self.prefix.insert(s.chain[b], s.chain[b - 1] if b else None, cache, s.row, b, states, ring)
 
     # -- what policies call --------------------------------------------------------------------------
     def forward(self, seqs: list[SequenceState], fn: str, ids: torch.Tensor, lengths: list[int],
                 **kw: object) -> torch.Tensor | None:
         """model.<fn>(ids, cache, lengths=..., rows=<the sequences' rows>, **kw), timed."""
         rows = torch.tensor([s.row for s in seqs], device=self.model.device)
+        remember = self.prefix is not None and fn == "causal" and kw.get("write", True)
+        if remember:
+            before, rings, kw["gdn_trace"] = self._before(rows)
         t0 = time.perf_counter()
         out = getattr(self.model, fn)(ids, self.cache, lengths=torch.tensor(lengths, device=ids.device), rows=rows,
                                       **kw)
@@ -180,6 +237,8 @@ class Engine:
         self.forward_seconds += dt
         for s in seqs:
             s.stats.model_time += dt
+        if remember:
+            self._remember(seqs, before, rings, kw["gdn_trace"])
         return out
 
     def fused(self, seqs: list[SequenceState], clean: list[list[int]] | list[torch.Tensor],
@@ -187,17 +246,26 @@ class Engine:
         """model.causal_and_preview over the sequences' rows (a commit or check fused with a preview), timed."""
         rows = torch.tensor([s.row for s in seqs], device=self.model.device)
         dev = self.model.device
+        remember = self.prefix is not None and commit
+        before, rings, trace = self._before(rows) if remember else (None, None, None)
         t0 = time.perf_counter()
         out = self.model.causal_and_preview(
             self.pad(clean, 0), self.pad(blocks, self.config.mask_token_id), self.cache,
             clean_lengths=torch.tensor([len(c) for c in clean], device=dev),
             block_lengths=torch.tensor([len(b) for b in blocks], device=dev), rows=rows, commit=commit,
-            clean_logits=clean_logits)
+            clean_logits=clean_logits, gdn_trace=trace)
         dt = time.perf_counter() - t0
         self.forward_seconds += dt
         for s in seqs:
             s.stats.model_time += dt
+        if remember:
+            self._remember(seqs, before, rings, trace)
         return out
+
+    def _before(self, rows: torch.Tensor) -> tuple[list[int], dict[int, torch.Tensor], dict]:
+        """What `_remember` needs from before a cache-writing forward: lengths, conv rings, a trace."""
+        rings = {i: r[rows].clone() for i, r in enumerate(self.cache.rings) if r is not None}
+        return self.cache.lengths[rows].tolist(), rings, {}
 
     def pad(self, rows: list[list[int]] | list[torch.Tensor], fill: int) -> torch.Tensor:
         """Right-padded [N, max(1, longest)] long tensor on the model's device."""

@@ -326,9 +326,11 @@ class CloverForCausalLM(nn.Module):
     def causal(
         self, input_ids: torch.Tensor, cache: PrefixCache | None = None, lengths: torch.Tensor | None = None,
         logits: str = "all", rows: torch.Tensor | list[int] | None = None, write: bool = True,
+        gdn_trace: dict[int, GDNCausalOut] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """Run input_ids [N,T] causally after the cache (if any) and append them to it (`write` False:
-        read the cache only, leaving it as it was).
+        read the cache only, leaving it as it was). `gdn_trace`, when given, receives each GDN layer's
+        output with its state before every block-sized chunk (a prefix cache snapshots them).
 
         `logits`: "all" -> [N,T,V]; "last" -> [N,V] at each row's last valid position; "none" -> None
         (a commit needs no logits); "train" -> (final hidden states [N,T,D], router aux loss). `rows`: the cache rows the N input rows belong to (default: all,
@@ -367,7 +369,10 @@ class CloverForCausalLM(nn.Module):
                 zero_ring = zero_ring if zero_ring is not None else x.new_zeros(n, self.config.linear_conv_kernel_dim - 1,
                                                                              self.config.linear_conv_dim)
                 state, ring = None, zero_ring
-            res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size)
+            res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size,
+                                           return_chunk_states=gdn_trace is not None)
+            if gdn_trace is not None:
+                gdn_trace[i] = res
             if write:
                 cache.set_gdn(i, rows, res.state, res.ring)
             return res.out
@@ -421,6 +426,7 @@ class CloverForCausalLM(nn.Module):
         self, clean_ids: torch.Tensor, block_ids: torch.Tensor, cache: PrefixCache,
         clean_lengths: torch.Tensor | None = None, block_lengths: torch.Tensor | None = None,
         rows: torch.Tensor | list[int] | None = None, commit: bool = True, clean_logits: str = "last",
+        gdn_trace: dict[int, GDNCausalOut] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One forward that does what `causal` and `preview` do apart (spec section 3: a fusion is
         allowed only where its results equal the separate passes; tests compare them).
@@ -431,6 +437,7 @@ class CloverForCausalLM(nn.Module):
         commit=False: clean_ids run causally over the cache without writing it, and the block is
         previewed at the same positions (`verify`: the causal head checks drafts while the preview drafts).
         Returns (clean logits per `clean_logits` "all" / "last" / "none", block logits [N,S,V]).
+        `gdn_trace` as in `causal`, for the clean stream.
         """
         if clean_logits not in ("all", "last", "none"):
             raise ValueError(f"clean_logits must be 'all', 'last' or 'none', got {clean_logits!r}")
@@ -470,7 +477,10 @@ class CloverForCausalLM(nn.Module):
                 return out
             gdn = layer.linear_attn
             state, ring = cache.gdn(i, rows)
-            clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size)
+            clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size,
+                               return_chunk_states=gdn_trace is not None)
+            if gdn_trace is not None:
+                gdn_trace[i] = clean
             if commit:
                 cache.set_gdn(i, rows, clean.state, clean.ring)
                 state, ring = clean.state, clean.ring

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 
 class Policy(Protocol):
+    def reusable(self, s: SequenceState) -> int: ...
     def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None: ...
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None: ...
 
@@ -46,9 +47,14 @@ class Policy(Protocol):
 class AutoRegressive:
     """`ar`: the causal head picks each next token; the forward that reads a token also commits it."""
 
+    def reusable(self, s: SequenceState) -> int:
+        """Prompt tokens whose cache may be restored: all but the last, whose logits start decoding."""
+        return len(s.prompt) - 1
+
     def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
-        logits = engine.forward(seqs, "causal", engine.pad([s.prompt for s in seqs], 0), [len(s.prompt) for s in seqs],
-                                logits="last")
+        """Prefill each prompt from where its restored prefix ends (s.pos, 0 without one)."""
+        logits = engine.forward(seqs, "causal", engine.pad([s.prompt[s.pos:] for s in seqs], 0),
+                                [len(s.prompt) - s.pos for s in seqs], logits="last")
         for s, lg in zip(seqs, logits, strict=True):
             s.pos = len(s.prompt)
             with engine.isolated(s, events):
@@ -87,18 +93,24 @@ class _Blocks:
             s.resolved[:fixed] = True
         s.block_steps = [0] * (fixed + room)
 
+    def reusable(self, s: SequenceState) -> int:
+        """Prompt tokens whose cache may be restored: the whole blocks the prefill would commit."""
+        return len(s.prompt) // s.block_size * s.block_size
+
     def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
-        """Causal prefill of each prompt's whole blocks fused with the preview of its first block."""
+        """Causal prefill of each prompt's whole blocks (from where a restored prefix ends, s.pos) fused
+        with the preview of its first block."""
+        start = [s.pos for s in seqs]
         for s in seqs:
             s.pos = len(s.prompt) // s.block_size * s.block_size
             self.start_block(engine, s)
-        last, logits = engine.fused(seqs, [s.prompt[: s.pos] for s in seqs], [s.block for s in seqs], commit=True,
-                                    clean_logits="last")
+        clean = [s.prompt[a: s.pos] for a, s in zip(start, seqs, strict=True)]
+        last, logits = engine.fused(seqs, clean, [s.block for s in seqs], commit=True, clean_logits="last")
         for i, s in enumerate(seqs):
-            s.stats.prefill_forwards += int(s.pos > 0)
+            s.stats.prefill_forwards += int(len(clean[i]) > 0)
             s.stats.preview_forwards += 1
             with engine.isolated(s, events):
-                self.after_preview(engine, s, logits[i, : len(s.block)], last[i] if s.pos > 0 else None, events)
+                self.after_preview(engine, s, logits[i, : len(s.block)], last[i] if clean[i] else None, events)
 
     def commit(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         """Commit each finished block fused with the first preview of the sequence's next block."""
@@ -209,6 +221,11 @@ class VerifyPolicy(_Blocks):
             raise ValueError(f"window must be a positive number of slots or None, got {window}")
         self.fused, self.window = fused, window
 
+    def reusable(self, s: SequenceState) -> int:
+        """As for block diffusion, but a prompt that ends on a block boundary keeps its last token to
+        prefill: its causal logits predict the first slot of the first block."""
+        whole = len(s.prompt) // s.block_size * s.block_size
+        return whole - 1 if whole == len(s.prompt) else whole
     def _end(self, s: SequenceState) -> int:
         """The end of the range a check looks at: `window` slots past the first unverified one."""
         j = int(s.resolved.sum())

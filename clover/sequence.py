@@ -20,6 +20,7 @@ class GenerationStats:
                                # ar: the causal forwards that produced tokens
     check_forwards: int = 0    # verify: causal checks of drafts (a check fused with a preview counts once)
     prefill_forwards: int = 0  # prompt prefills (no forward of their own when fused with a preview)
+    cached_tokens: int = 0     # prompt tokens restored from the prefix cache instead of prefilled
     drafts_proposed: int = 0   # verify: draft tokens checked
     drafts_accepted: int = 0   # verify: draft tokens the causal head agreed with
     wall_time: float = 0.0     # seconds from admission to finish
@@ -106,6 +107,7 @@ class SequenceState:
     ends: list[int] = field(default_factory=list)
     ends_at: list[int] = field(default_factory=list)
     searched: int = 0
+    chain: list[bytes] = field(default_factory=list)  # prefix-cache keys of the committed blocks
     step: int = 0
     pos: int = 0                               # committed positions in the cache
     block: torch.Tensor | None = None          # current block token ids [S]

@@ -196,8 +196,9 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[
 
 
 def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig, max_batch_size: int = 32,
-              generation_defaults: dict | None = None) -> FastAPI:
-    engine = AsyncEngine(Engine(model, tokenizer, max_batch_size=max_batch_size), max_waiting=cfg.max_waiting)
+              generation_defaults: dict | None = None, prefix_cache_bytes: int = 0) -> FastAPI:
+    engine = AsyncEngine(Engine(model, tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes),
+                         max_waiting=cfg.max_waiting)
     defaults = generation_defaults or {}
     ctx = model.config.max_position_embeddings
     errors: dict[int, int] = {}
@@ -292,8 +293,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     def _usage(prompt_len: int, choices: list[_Choice]) -> dict:
         completion = sum(c.result.stats.generated_tokens for c in choices if c.result)
         nfe = sum(c.result.stats.nfe for c in choices if c.result)
+        cached = max((c.result.stats.cached_tokens for c in choices if c.result), default=0)
         return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion,
-                "nfe": nfe, "tpf": completion / nfe if nfe else 0.0,
+                "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe, "tpf": completion / nfe if nfe else 0.0,
                 "blocks": sum(c.result.stats.blocks for c in choices if c.result)}
 
     async def _merged(ids: list[int], params: list[SamplingParams]) -> AsyncIterator[tuple[int, Any]]:
@@ -563,6 +565,15 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         metric("clover_nfe_total", "counter", "Model forwards of finished requests (previews + commits).",
                [("", s.nfe)])
         metric("clover_engine_steps_total", "counter", "Engine steps.", [("", s.steps)])
+        prefix = engine.engine.prefix
+        if prefix is not None:
+            ps = prefix.stats
+            for key, help_ in (("lookups", "Prompt lookups in the prefix cache."),
+                               ("hits", "Lookups that reused at least one cached block."),
+                               ("tokens_reused", "Prompt tokens restored from the prefix cache instead of prefilled."),
+                               ("evictions", "Blocks evicted from the prefix cache.")):
+                metric(f"clover_prefix_cache_{key}_total", "counter", help_, [("", getattr(ps, key))])
+            metric("clover_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", [("", prefix.nbytes)])
         metric("clover_queue_depth", "gauge", "Requests waiting to start.", [("", engine.queue_depth)])
         metric("clover_running_requests", "gauge", "Requests being decoded.", [("", engine.engine.num_running)])
         for name, hist, help_ in (("clover_request_latency_seconds", s.latency, "End-to-end request latency."),
@@ -580,7 +591,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
 
 def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,
-          dtype: str, device: str, model_name: str | None) -> None:
+          dtype: str, device: str, model_name: str | None, prefix_cache_bytes: int = 0) -> None:
     import logging
 
     import uvicorn
@@ -592,7 +603,8 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     app = build_app(loaded.model, loaded.tokenizer, ServerConfig(name, api_key, max_waiting), max_batch_size,
-                    loaded.defaults)
-    print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting})", flush=True)
+                    loaded.defaults, prefix_cache_bytes)
+    print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
+          f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 

@@ -34,7 +34,7 @@ class ScriptedModel:
         out[self.config.mask_token_id] = float("-inf")
         return out
 
-    def causal(self, ids, cache, lengths, logits="all", rows=None, write=True):
+    def causal(self, ids, cache, lengths, logits="all", rows=None, write=True, gdn_trace=None):
         rows = rows.tolist()
         self.calls.append(("causal", [ids[i, : int(n)].tolist() for i, n in enumerate(lengths)], rows))
         starts = cache.lengths[rows].tolist()
@@ -46,7 +46,7 @@ class ScriptedModel:
         return torch.stack([self._logits(*self.ar_script(s + int(n))) for s, n in zip(starts, lengths, strict=True)])
 
     def causal_and_preview(self, clean, block, cache, clean_lengths, block_lengths, rows, commit=True,
-                           clean_logits="last"):
+                           clean_logits="last", gdn_trace=None):
         """The fused pass as its two parts: a commit of the clean rows that have any (logged as a causal
         call, as the separate passes would be), then the preview of every block."""
         assert commit, "the scripted model has no verify check"
@@ -88,7 +88,7 @@ class TextScriptModel(ScriptedModel):
         self.target = list(target)
         self.prompt_len: dict[int, int] = {}
 
-    def causal(self, ids, cache, lengths, logits="all", rows=None, write=True):
+    def causal(self, ids, cache, lengths, logits="all", rows=None, write=True, gdn_trace=None):
         rows_l = rows.tolist()
         starts = cache.lengths[rows_l].tolist()
         for r, s, n in zip(rows_l, starts, lengths.tolist(), strict=True):

@@ -211,8 +211,23 @@ def test_metrics_are_prometheus_text(server):
     text = httpx.get(url + "/metrics").text
     for name in ("clover_requests_total", "clover_generation_tokens_total", "clover_nfe_total", "clover_queue_depth",
                  'clover_request_latency_seconds_bucket{le="+Inf"}', "clover_request_tpf_count",
-                 'clover_http_errors_total{status="400"}'):
+                 'clover_http_errors_total{status="400"}', "clover_prefix_cache_hits_total",
+                 "clover_prefix_cache_tokens_reused_total", "clover_prefix_cache_bytes"):
         assert name in text
+
+
+def test_a_repeated_conversation_reuses_its_prefix_and_answers_the_same(server):
+    url, client = server
+    system = "You are a careful assistant. " * 12
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name three colours."}]
+    body = dict(model="debug", messages=messages, max_tokens=12, extra_body={"ignore_eos": True})
+    first = client.chat.completions.create(**body)
+    again = client.chat.completions.create(**body)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 8 == 0
+    other = client.chat.completions.create(**{**body, "messages": [messages[0], {"role": "user", "content": "Hi"}]})
+    assert other.usage.prompt_tokens_details.cached_tokens >= 64  # the shared system prompt
 
 
 # -- tool calls, over a scripted model -----------------------------------------------------------------------

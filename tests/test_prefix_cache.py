@@ -1,0 +1,110 @@
+"""The prefix cache across requests: a hit never changes the output, for every algorithm."""
+
+import pytest
+import torch
+from conftest import perturbed_model
+
+from clover.config import CloverConfig
+from clover.engine import Engine
+from clover.prefix_cache import block_keys
+from clover.sampling import SamplingParams
+
+ALGORITHMS = ("ar", "low_confidence", "verify")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = perturbed_model(CloverConfig.preset("debug"))  # block size 8
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)
+    return m
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _params(algorithm: str, n: int = 14) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True, algorithm=algorithm, threshold=0.6)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_hit_gives_the_same_output_as_a_cold_prefill(model, algorithm):
+    shared = _tokens(37, 1)                               # 4 whole blocks and a tail of 5
+    first, second = shared + _tokens(6, 2), shared + _tokens(11, 3)   # the second ends mid-block too
+    cold = Engine(model)
+    warm = Engine(model, prefix_cache_bytes=64 << 20)
+    warm.generate([first], _params(algorithm))
+    for prompt in (second, first, shared[:16], shared[:17]):   # sharing part, all, exactly on / past a boundary
+        got = warm.generate([prompt], _params(algorithm))[0]
+        want = cold.generate([prompt], _params(algorithm))[0]
+        assert got.token_ids == want.token_ids, (algorithm, len(prompt))
+        assert got.stats.cached_tokens > 0 and got.stats.cached_tokens % 8 == 0
+        # ar and verify prefill at least the prompt's last token (its logits start decoding); block
+        # diffusion needs no logits from the prompt and may restore all of its whole blocks
+        assert got.stats.cached_tokens <= len(prompt) - (algorithm != "low_confidence")
+    stats = warm.prefix.stats
+    assert stats.hits == 4 and stats.tokens_reused >= 32 + 40 + 8 + 16
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_next_turn_reuses_the_previous_turn_and_its_reply(model, algorithm):
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    turn1 = _tokens(21, 4)
+    reply = engine.generate([turn1], _params(algorithm, 24))[0].token_ids
+    turn2 = turn1 + reply + _tokens(9, 5)
+    got = engine.generate([turn2], _params(algorithm))[0]
+    assert got.token_ids == Engine(model).generate([turn2], _params(algorithm))[0].token_ids
+    # the prompt's blocks and the reply's committed blocks were kept: at most the last partial ones are new
+    assert got.stats.cached_tokens >= (len(turn1) + len(reply)) // 8 * 8 - 8
+
+
+def test_restored_cache_equals_a_fresh_prefill(model):
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    prompt = _tokens(35, 6)
+    engine.generate([prompt], _params("low_confidence", 2))
+    keys = block_keys(prompt, 8)
+    assert all(k in engine.prefix for k in keys)           # every block of the prefill was kept
+    cache = model.new_cache(1)
+    engine.prefix.restore(cache, 0, keys[:3])
+    ref = model.new_cache(1)
+    model.causal(torch.tensor([prompt[:24]]), ref, logits="none")
+    assert int(cache.lengths[0]) == 24
+    for layer in range(len(ref.keys)):
+        if ref.keys[layer] is not None:
+            torch.testing.assert_close(cache.keys[layer][0, :, :24], ref.keys[layer][0, :, :24], atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.values[layer][0, :, :24], ref.values[layer][0, :, :24], atol=1e-5, rtol=0)
+        else:
+            torch.testing.assert_close(cache.states[layer][0], ref.states[layer][0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.rings[layer][0], ref.rings[layer][0], atol=1e-6, rtol=0)
+
+
+def test_eviction_under_a_tiny_budget_never_changes_output(model):
+    cold = Engine(model)
+    entry = Engine(model, prefix_cache_bytes=1 << 30)
+    entry.generate([_tokens(8, 0)], _params("ar", 1))
+    one = entry.prefix.nbytes                                # the bytes of one block
+    tiny = Engine(model, prefix_cache_bytes=3 * one)
+    prompts = [_tokens(33, 7) + _tokens(i + 3, 8 + i) for i in range(5)] + [_tokens(50, 20)]
+    for i, p in enumerate(prompts):
+        alg = ALGORITHMS[i % 3]
+        assert tiny.generate([p], _params(alg))[0].token_ids == cold.generate([p], _params(alg))[0].token_ids
+        assert tiny.prefix.nbytes <= 3 * one
+    assert tiny.prefix.stats.evictions > 0 and tiny.prefix.stats.hits > 0
+
+
+def test_requests_in_flight_together_share_a_prefix(model):
+    shared = _tokens(24, 9)
+    prompts = [shared + _tokens(3 + i, 30 + i) for i in range(6)]
+    params = [_params(ALGORITHMS[i % 3], 10) for i in range(6)]
+    engine = Engine(model, max_batch_size=2, prefix_cache_bytes=64 << 20)
+    got = engine.generate(prompts, params)
+    for p, sp, r in zip(prompts, params, got, strict=True):
+        assert r.token_ids == Engine(model).generate([p], sp)[0].token_ids
+    assert sum(r.stats.cached_tokens > 0 for r in got) >= 4   # all but the first two admitted
+
+
+def test_a_budget_below_zero_is_refused(model):
+    with pytest.raises(ValueError, match="budget"):
+        Engine(model, prefix_cache_bytes=-1)
