@@ -301,7 +301,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.prefix_cache_bytes < 0:
         raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {args.prefix_cache_bytes}")
     serve(args.model, args.host, args.port, args.api_key, args.max_batch_size, args.max_queue, args.dtype,
-          args.device, args.served_model_name, args.prefix_cache_bytes)
+          args.device, args.served_model_name, args.prefix_cache_bytes, args.max_prefill_tokens or None)
     return 0
 
 
@@ -324,4 +324,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="the model id clients use (default: the directory name)")
     p.add_argument("--prefix-cache-bytes", type=int, default=256 << 20,
                    help="memory for prefixes kept across requests (default 256 MiB; 0 turns it off)")
+    p.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="prompt tokens prefilled per engine step; longer prompts are prefilled in chunks between "
+                        "the other requests' steps (default 512; 0: no limit)")
     p.set_defaults(func=cmd_serve)

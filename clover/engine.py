@@ -35,14 +35,22 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: CloverForCausalLM, tokenizer: object | None = None, max_batch_size: int = 32,
-                 policies: dict[str, Policy] | None = None, prefix_cache_bytes: int = 0) -> None:
+                 policies: dict[str, Policy] | None = None, prefix_cache_bytes: int = 0,
+                 max_prefill_tokens: int | None = None) -> None:
         """`tokenizer` (optional) needs `decode(ids) -> str`; it enables text output and stop strings.
         `policies` replaces the decoding policies by algorithm name (default: `clover.policies.POLICIES`).
-        `prefix_cache_bytes` > 0 keeps committed prefixes for later requests (`clover.prefix_cache`)."""
+        `prefix_cache_bytes` > 0 keeps committed prefixes for later requests (`clover.prefix_cache`).
+        `max_prefill_tokens` (chunked prefill): a step prefills at most this many prompt tokens in
+        block-aligned chunks, so a long prompt never stalls the other sequences' steps (None: no limit)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         if prefix_cache_bytes < 0:
             raise ValueError(f"the prefix cache budget must be >= 0 bytes (0: off), got {prefix_cache_bytes}")
+        if max_prefill_tokens is not None and max_prefill_tokens < model.config.block_size:
+            raise ValueError(f"max_prefill_tokens must be at least the block size {model.config.block_size}, "
+                             f"got {max_prefill_tokens}")
+        self.max_prefill_tokens = max_prefill_tokens
+        self.prefilling: list[SequenceState] = []  # admitted, prompt still being prefilled in chunks
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -116,17 +124,45 @@ class Engine:
     def step(self) -> list[Event]:
         """Admit waiting requests, then let each decoding policy advance its sequences by one step."""
         events: list[Event] = []
-        admitted = self._admit()
+        admitted = [s for s in self._admit() if s not in self.prefilling] + self._prefill_chunks()
         for name, policy in self.policies.items():
             new = [s for s in admitted if s.params.algorithm == name]
             if new:
                 policy.prefill(self, new, events)
             running = [s for s in self.running if s.params.algorithm == name and s.finish_reason is None
-                       and s not in new]
+                       and s not in new and s not in self.prefilling]
             if running:
                 policy.step(self, running, events)
         self._retire()
         return events
+
+    def _prefill_chunks(self) -> list[SequenceState]:
+        """Chunked prefill: advance the sequences whose prompts are too long for one step by block-aligned
+        chunks, at most `max_prefill_tokens` tokens in all; returns those whose policy may now prefill the
+        rest (at most one block and the prompt's tail) and start decoding."""
+        budget, size = self.max_prefill_tokens, self.config.block_size
+        chunk: list[tuple[SequenceState, int]] = []
+        for s in self.prefilling:
+            take = min(self._chunk_limit(s) - s.pos, budget // size * size)
+            if take <= 0:
+                break
+            chunk.append((s, take))
+            budget -= take
+        if chunk:
+            seqs = [s for s, _ in chunk]
+            self.forward(seqs, "causal", self.pad([s.prompt[s.pos: s.pos + n] for s, n in chunk], 0),
+                         [n for _, n in chunk], logits="none")
+            for s, n in chunk:
+                s.pos += n
+                s.stats.prefill_forwards += 1
+        ready = [s for s in self.prefilling if s.pos >= self._chunk_limit(s)]
+        self.prefilling = [s for s in self.prefilling if s not in ready]
+        return ready
+
+    def _chunk_limit(self, s: SequenceState) -> int:
+        """How far chunks prefill a prompt: the block boundary under what the policy's own prefill needs."""
+        size = self.config.block_size
+        return self.policies[s.params.algorithm].reusable(s) // size * size
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -173,6 +209,8 @@ class Engine:
         if self.prefix is not None:
             for s in admitted:
                 self._reuse_prefix(s)
+        if self.max_prefill_tokens is not None:
+            self.prefilling += [s for s in admitted if self._chunk_limit(s) - s.pos > self.max_prefill_tokens]
         self.running.extend(admitted)
         return admitted
 
@@ -393,5 +431,7 @@ class Engine:
         for s in [s for s in self.running if s.finish_reason is not None]:
             self.running.remove(s)
             self.free_rows.append(s.row)
+            if s in self.prefilling:
+                self.prefilling.remove(s)
         if not self.running and not self.waiting:
             self.cache, self.free_rows = None, []  # idle: give the memory back

@@ -81,7 +81,7 @@ class Event:
     error: str | None = None                   # set when this request failed (finish_reason "error")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the engine keeps sequences in lists and tests membership
 class SequenceState:
     rid: str
     prompt: list[int]

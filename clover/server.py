@@ -196,9 +196,10 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[
 
 
 def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig, max_batch_size: int = 32,
-              generation_defaults: dict | None = None, prefix_cache_bytes: int = 0) -> FastAPI:
-    engine = AsyncEngine(Engine(model, tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes),
-                         max_waiting=cfg.max_waiting)
+              generation_defaults: dict | None = None, prefix_cache_bytes: int = 0,
+              max_prefill_tokens: int | None = None) -> FastAPI:
+    engine = AsyncEngine(Engine(model, tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes,
+                                max_prefill_tokens=max_prefill_tokens), max_waiting=cfg.max_waiting)
     defaults = generation_defaults or {}
     ctx = model.config.max_position_embeddings
     errors: dict[int, int] = {}
@@ -591,7 +592,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
 
 def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,
-          dtype: str, device: str, model_name: str | None, prefix_cache_bytes: int = 0) -> None:
+          dtype: str, device: str, model_name: str | None, prefix_cache_bytes: int = 0,
+          max_prefill_tokens: int | None = None) -> None:
     import logging
 
     import uvicorn
@@ -603,7 +605,7 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     app = build_app(loaded.model, loaded.tokenizer, ServerConfig(name, api_key, max_waiting), max_batch_size,
-                    loaded.defaults, prefix_cache_bytes)
+                    loaded.defaults, prefix_cache_bytes, max_prefill_tokens)
     print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
           f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
