@@ -40,14 +40,16 @@ CODE = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "clas
         "def is_prime(n):\n    if n < 2:\n"]
 
 
-def _model(path: str | None) -> tuple[CloverForCausalLM, str]:
-    try:
-        return load_checkpoint(path or default_model_dir(), dtype="float32"), str(path or default_model_dir())
-    except CheckpointError:
-        if path:
-            raise
-        torch.manual_seed(0)
-        return CloverForCausalLM(CloverConfig.preset("tiny")).eval(), "tiny preset, random weights"
+def _model(path: str | None, context: int | None) -> tuple[CloverForCausalLM, str]:
+    if context is None:
+        try:
+            return load_checkpoint(path or default_model_dir(), dtype="float32"), str(path or default_model_dir())
+        except CheckpointError:
+            if path:
+                raise
+    torch.manual_seed(0)
+    overrides = {} if context is None else {"max_position_embeddings": context}
+    return CloverForCausalLM(CloverConfig.preset("tiny", **overrides)).eval(), "tiny preset, random weights"
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -97,33 +99,37 @@ def main() -> None:
     parser.add_argument("--thresholds", default="0.5,0.7,0.9,0.95,1.0")
     parser.add_argument("--block-sizes", default="4,8,16,32")
     parser.add_argument("--verify-windows", default="8", help="also measure verify with these check windows")
+    parser.add_argument("--context", type=int, help="the tiny preset at random with this context (long prompts)")
+    parser.add_argument("--max-prefill-tokens", type=int, help="chunked prefill of at most this many tokens a step")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
     parser.add_argument("--quick", action="store_true", help="prompt 64, batch 1, block 32, threshold 0.95 only")
     args = parser.parse_args()
     if args.quick:
         args.prompt_lengths, args.batches, args.block_sizes, args.thresholds = "64", "1", "32", "0.95"
-    model, source = _model(args.model)
+    model, source = _model(args.model, args.context)
     tokenizer = None
     if source != "tiny preset, random weights":
         try:
             tokenizer = Tokenizer.load(source)
         except (OSError, ValueError):
             tokenizer = None
-    ref = transformers_twin(model)
+    ref = None if args.no_transformers else transformers_twin(model)
     conditions = {
         "date": datetime.date.today().isoformat(), "machine": platform.machine(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "device": "cpu", "dtype": "float32", "model": source,
         "parameters": model.config.num_parameters()[0], "new_tokens": args.new_tokens, "greedy": True,
-        "ignore_eos": True,
+        "ignore_eos": True, "context": model.config.max_position_embeddings,
+        "max_prefill_tokens": args.max_prefill_tokens,
     }
     print("conditions:", json.dumps(conditions))
     rows = []
     for batch in map(int, args.batches.split(",")):
-        engine = Engine(model, max_batch_size=batch)
+        opts = {"max_batch_size": batch, "max_prefill_tokens": args.max_prefill_tokens}
+        engine = Engine(model, **opts)
         verifiers = {"verify-fused": engine,
-                     "verify-separate": Engine(model, max_batch_size=batch, policies={"verify": VerifyPolicy(fused=False)})}
+                     "verify-separate": Engine(model, policies={"verify": VerifyPolicy(fused=False)}, **opts)}
         for w in args.verify_windows.split(",") if args.verify_windows else []:
-            verifiers[f"verify-fused-w{w}"] = Engine(model, max_batch_size=batch,
-                                                     policies={"verify": VerifyPolicy(window=int(w))})
+            verifiers[f"verify-fused-w{w}"] = Engine(model, policies={"verify": VerifyPolicy(window=int(w))}, **opts)
         sets = prompt_sets(args.prompts.split(","), [int(n) for n in args.prompt_lengths.split(",")], batch, model,
                            tokenizer)
         for label, prompts in sets:

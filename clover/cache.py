@@ -79,7 +79,8 @@ class PrefixCache:
                     grown[:, :, : t.shape[2]] = t
                     store[i] = grown
 
-    def _rows(self, rows: torch.Tensor | None) -> torch.Tensor | slice:
+    def _rows(self, rows: torch.Tensor | slice | None) -> torch.Tensor | slice:
+        """Index of `rows`: all rows, a slice (views: nothing copied) or a tensor of rows (copies)."""
         return slice(None) if rows is None else rows
 
     def past(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,7 +111,7 @@ class PrefixCache:
         t_len = k.shape[2]
         valid = torch.arange(t_len, device=k.device)[None, :] < new_lengths[:, None]     # [n,T]
         seq, step = valid.nonzero(as_tuple=True)
-        row = seq if rows is None else rows[seq]
+        row = seq if rows is None else seq + rows.start if isinstance(rows, slice) else rows[seq]
         pos = self.lengths[row] + step
         self.keys[layer][row, :, pos] = k[seq, :, step].to(self.keys[layer].dtype)
         self.values[layer][row, :, pos] = v[seq, :, step].to(self.values[layer].dtype)

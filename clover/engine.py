@@ -264,7 +264,7 @@ class Engine:
     def forward(self, seqs: list[SequenceState], fn: str, ids: torch.Tensor, lengths: list[int],
                 **kw: object) -> torch.Tensor | None:
         """model.<fn>(ids, cache, lengths=..., rows=<the sequences' rows>, **kw), timed."""
-        rows = torch.tensor([s.row for s in seqs], device=self.model.device)
+        rows = self._rows(seqs)
         remember = self.prefix is not None and fn == "causal" and kw.get("write", True)
         if remember:
             before, rings, kw["gdn_trace"] = self._before(rows)
@@ -282,7 +282,7 @@ class Engine:
     def fused(self, seqs: list[SequenceState], clean: list[list[int]] | list[torch.Tensor],
               blocks: list[torch.Tensor], commit: bool, clean_logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
         """model.causal_and_preview over the sequences' rows (a commit or check fused with a preview), timed."""
-        rows = torch.tensor([s.row for s in seqs], device=self.model.device)
+        rows = self._rows(seqs)
         dev = self.model.device
         remember = self.prefix is not None and commit
         before, rings, trace = self._before(rows) if remember else (None, None, None)
@@ -300,7 +300,14 @@ class Engine:
             self._remember(seqs, before, rings, trace)
         return out
 
-    def _before(self, rows: torch.Tensor) -> tuple[list[int], dict[int, torch.Tensor], dict]:
+    def _rows(self, seqs: list[SequenceState]) -> torch.Tensor | slice:
+        """The sequences' cache rows: a slice when consecutive (the model then reads views of the cache)."""
+        rows = [s.row for s in seqs]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return torch.tensor(rows, device=self.model.device)
+
+    def _before(self, rows: torch.Tensor | slice) -> tuple[list[int], dict[int, torch.Tensor], dict]:
         """What `_remember` needs from before a cache-writing forward: lengths, conv rings, a trace."""
         rings = {i: r[rows].clone() for i, r in enumerate(self.cache.rings) if r is not None}
         return self.cache.lengths[rows].tolist(), rings, {}

@@ -292,12 +292,19 @@ class CloverForCausalLM(nn.Module):
             )
         return lengths
 
-    def _cache_rows(self, cache: PrefixCache, n: int, rows: torch.Tensor | list[int] | None) -> torch.Tensor | None:
-        """Check that the n input rows map onto the cache (all of it, or the given cache rows)."""
+    def _cache_rows(self, cache: PrefixCache, n: int, rows: torch.Tensor | list[int] | slice | None
+                    ) -> torch.Tensor | slice | None:
+        """Check that the n input rows map onto the cache (all of it, or the given cache rows). A slice of
+        consecutive rows is kept as a slice: the cache is then read through views, never copied."""
         if rows is None:
             if cache.batch_size != n:
                 raise ValueError(f"cache holds {cache.batch_size} sequences but the input has {n} rows")
             return None
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(cache.batch_size)
+            if step != 1 or stop - start != n:
+                raise ValueError(f"rows must be {n} consecutive cache rows, got {rows}")
+            return slice(start, stop)
         rows = torch.as_tensor(rows, dtype=torch.long, device=cache.lengths.device)
         if rows.shape != (n,) or int(rows.min()) < 0 or int(rows.max()) >= cache.batch_size:
             raise ValueError(f"rows must be {n} distinct cache rows in [0, {cache.batch_size}), got {rows.tolist()}")
@@ -325,7 +332,7 @@ class CloverForCausalLM(nn.Module):
     # -- causal mode: prefill and commit -------------------------------------------------------------
     def causal(
         self, input_ids: torch.Tensor, cache: PrefixCache | None = None, lengths: torch.Tensor | None = None,
-        logits: str = "all", rows: torch.Tensor | list[int] | None = None, write: bool = True,
+        logits: str = "all", rows: torch.Tensor | list[int] | slice | None = None, write: bool = True,
         gdn_trace: dict[int, GDNCausalOut] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """Run input_ids [N,T] causally after the cache (if any) and append them to it (`write` False:

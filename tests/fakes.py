@@ -10,6 +10,11 @@ from clover.cache import PrefixCache
 from clover.config import CloverConfig
 
 
+def row_list(rows) -> list[int]:
+    """Cache rows as the engine passes them (a slice of consecutive rows, or a tensor) as a list."""
+    return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
+
+
 class ScriptedModel:
     """preview logits come from `script(j, position) -> (token, probability)`, where j counts the
     previews of the current block of that cache row (0 first) and position is absolute; AR logits
@@ -35,7 +40,7 @@ class ScriptedModel:
         return out
 
     def causal(self, ids, cache, lengths, logits="all", rows=None, write=True, gdn_trace=None):
-        rows = rows.tolist()
+        rows = row_list(rows)
         self.calls.append(("causal", [ids[i, : int(n)].tolist() for i, n in enumerate(lengths)], rows))
         starts = cache.lengths[rows].tolist()
         cache.lengths[rows] += lengths
@@ -55,13 +60,13 @@ class ScriptedModel:
         if some:
             idx = torch.tensor(some)
             out = self.causal(clean[idx], cache, clean_lengths[idx], "none" if clean_logits == "none" else "last",
-                              rows[idx])
+                              torch.tensor(row_list(rows))[idx])
             if out is not None:
                 last[idx] = out
         return last, self.preview(block, cache, block_lengths, rows)
 
     def preview(self, block, cache, lengths, rows=None):
-        rows = rows.tolist()
+        rows = row_list(rows)
         self.calls.append(("preview", [block[i, : int(n)].tolist() for i, n in enumerate(lengths)], rows))
         out = torch.zeros(block.shape[0], block.shape[1], self.config.vocab_size)
         for i, r in enumerate(rows):
@@ -89,7 +94,7 @@ class TextScriptModel(ScriptedModel):
         self.prompt_len: dict[int, int] = {}
 
     def causal(self, ids, cache, lengths, logits="all", rows=None, write=True, gdn_trace=None):
-        rows_l = rows.tolist()
+        rows_l = row_list(rows)
         starts = cache.lengths[rows_l].tolist()
         for r, s, n in zip(rows_l, starts, lengths.tolist(), strict=True):
             if s == 0:

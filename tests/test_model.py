@@ -203,3 +203,26 @@ def test_sub_batches_over_a_shared_cache_equal_separate_caches(debug_model):
                      atol=ATOL, what="reused row")
     with pytest.raises(ValueError, match="distinct"):
         debug_model.preview(block, shared, rows=[1, 1])
+
+
+@torch.no_grad()
+def test_consecutive_rows_as_a_slice_equal_rows_as_a_tensor(debug_model):
+    """A slice of consecutive cache rows reads the cache through views (no copies) with the same result."""
+    import copy
+
+    ids = torch.randint(0, 500, (4, 30))
+    base = debug_model.new_cache(4)
+    debug_model.causal(ids[:, :20], base, lengths=torch.tensor([20, 13, 17, 9]), logits="none")
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    out_a = debug_model.causal(ids[1:3, 20:24], a, rows=torch.tensor([1, 2]), logits="all")
+    out_b = debug_model.causal(ids[1:3, 20:24], b, rows=slice(1, 3), logits="all")
+    assert_close(out_b, out_a, atol=1e-6)
+    assert a.lengths.tolist() == b.lengths.tolist() == [20, 17, 21, 9]
+    for x, y in zip(a.states + a.keys, b.states + b.keys, strict=True):
+        if x is not None:
+            assert_close(y, x, atol=1e-6)
+    block = torch.full((2, 8), debug_model.config.mask_token_id)
+    assert_close(debug_model.preview(block, b, rows=slice(2, 4)), debug_model.preview(block, a, rows=[2, 3]),
+                 atol=1e-6)
+    with pytest.raises(ValueError, match="consecutive cache rows"):
+        debug_model.causal(ids[:2, 24:26], b, rows=slice(0, 3))
