@@ -1,10 +1,15 @@
-"""Decoding speed as the context grows: tokens/s of the decode steps alone (median time between
-tokens, prefill excluded) after prompts of several lengths, batch 1, `ar` (and block diffusion per
-block), on the tiny preset with random weights and a context long enough for the longest prompt.
-The prompt is prefilled in chunks (--max-prefill-tokens). Prints its conditions, a table, and one
-JSON line last.
+"""Long contexts: decoding speed as the context grows, and what a long prompt does to other streams.
 
-    python benchmarks/long_context.py [--lengths 1024,4096,16384] [--new-tokens 48]
+1. Tokens/s of the decode steps alone (median time between tokens, prefill excluded) after prompts
+   of several lengths, batch 1, `ar` and block diffusion, prompts prefilled in chunks.
+2. Eight `ar` streams decode (one token per step each) when a prompt of --arrival tokens arrives:
+   the longest gap between two tokens of any stream while it is prefilled, with chunked prefill and
+   without, against the longest gap before it arrived (a chunk delays each step by one chunk's time;
+   without chunks one step carries the whole prefill).
+Tiny preset with random weights and a context long enough for the longest prompt. Prints its
+conditions, a table, and one JSON line last.
+
+    python benchmarks/long_context.py [--lengths 1024,4096,16384] [--new-tokens 48] [--arrival 8192]
 """
 
 from __future__ import annotations
@@ -39,16 +44,44 @@ def decode_speed(model: CloverForCausalLM, prompt: list[int], params: SamplingPa
     return {"prefill_and_first_s": first, "decode_tokens_per_s": 1 / statistics.median(gaps)}
 
 
+def arrival_stall(model: CloverForCausalLM, arrival: int, chunk: int | None) -> dict:
+    """Longest gap between tokens of 8 running streams before and while a long prompt is prefilled."""
+    engine = Engine(model, max_prefill_tokens=chunk)
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_new_tokens=4096, ignore_eos=True, algorithm="ar")
+    streams = [engine.add_request(torch.randint(0, 8000, (40,), generator=gen).tolist(), params) for _ in range(8)]
+    last = dict.fromkeys(streams)
+    gaps_before: list[float] = []
+    gaps_during: list[float] = []
+    long_id, gaps = None, gaps_before
+    for step in range(400):
+        events = engine.step()
+        now = time.perf_counter()
+        for ev in events:
+            if ev.request_id in last and ev.token_ids:
+                if last[ev.request_id] is not None:
+                    gaps.append(now - last[ev.request_id])
+                last[ev.request_id] = now
+        if any(ev.request_id == long_id and ev.token_ids for ev in events):  # its first token: prefill over
+            return {"gap_before_s": max(gaps_before), "gap_during_s": max(gaps_during), "steps": step}
+        if long_id is None and len(gaps_before) >= 16:
+            long_id = engine.add_request(torch.randint(0, 8000, (arrival,), generator=gen).tolist(),
+                                         params.with_(max_new_tokens=32))
+            gaps = gaps_during
+    raise RuntimeError("the long prompt did not start within 400 steps")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--algorithms", default="ar,low_confidence")
     ap.add_argument("--max-prefill-tokens", type=int, default=1024)
+    ap.add_argument("--arrival", type=int, default=8192, help="tokens of the prompt that arrives during 8 streams")
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     torch.manual_seed(0)
-    context = max(lengths) + args.new_tokens + 64
+    context = max(*lengths, args.arrival) + args.new_tokens + 64
     model = CloverForCausalLM(CloverConfig.preset("tiny", max_position_embeddings=context)).eval()
     conditions = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "torch": torch.__version__,
                   "threads": torch.get_num_threads(), "model": "tiny preset, random weights", "dtype": "float32",
@@ -66,12 +99,17 @@ def main() -> None:
             rows.append({"algorithm": alg, "prompt": n, **r})
             print(f"{alg:15s} prompt {n:6d}  prefill+first {r['prefill_and_first_s']:7.2f} s  "
                   f"decode {r['decode_tokens_per_s']:7.1f} tok/s", flush=True)
+    stall = {chunk: arrival_stall(model, args.arrival, chunk) for chunk in (args.max_prefill_tokens, None)}
+    for chunk, r in stall.items():
+        print(f"8 ar streams, a {args.arrival}-token prompt arrives; chunked prefill {chunk}: longest gap between "
+              f"tokens before {r['gap_before_s'] * 1000:.0f} ms, while it is prefilled {r['gap_during_s'] * 1000:.0f} ms")
     ratios = {}
     for alg in args.algorithms.split(","):
         mine = [r for r in rows if r["algorithm"] == alg]
         ratios[alg] = mine[-1]["decode_tokens_per_s"] / mine[0]["decode_tokens_per_s"]
     print(json.dumps({"benchmark": "long_context", "conditions": conditions,
-                      "summary": {"longest_over_shortest_decode_speed": ratios}, "results": rows}))
+                      "summary": {"longest_over_shortest_decode_speed": ratios,
+                                  "arrival_stall": {str(k): v for k, v in stall.items()}}, "results": rows}))
 
 
 if __name__ == "__main__":
