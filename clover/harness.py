@@ -362,6 +362,7 @@ def summarise(results: list[dict], runs: int) -> dict:
             if calls + malformed - invalid else None,
             **{k: _dist([r[k] for r in quality]) for k in ("model_s", "tool_s", "harness_s", "total_s")},
             "ttft_s": _dist([t for r in quality for t in r["ttft_s"]]),
+            "ttft_by_turn": _ttft_by_turn(quality),
             **_speed(quality),
             "cold": [{"task": r["task"], "total_s": r["total_s"], "warm_total_s": _dist(
                 [w["total_s"] for w in quality if w["task"] == r["task"] and not w.get("cold")])["median"]}
@@ -370,6 +371,15 @@ def summarise(results: list[dict], runs: int) -> dict:
                          for s in dict.fromkeys(r["suite"] for r in quality)},
         }
     return out
+
+
+def _ttft_by_turn(runs: list[dict]) -> dict[int, float]:
+    """Median TTFT of the n-th model call of a task run (the history grows with n), per n."""
+    by: dict[int, list[float]] = {}
+    for r in runs:
+        for n, t in enumerate(r["ttft_s"], start=1):  # the TTFTs of a run's model calls, in order
+            by.setdefault(n, []).append(t)
+    return {n: _dist(v)["median"] for n, v in sorted(by.items())}
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -426,6 +436,15 @@ def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dic
                                                             _block_order(kv[1]["params"]))):
         lines.append(f"| {cname} | {_block_label(s['params'])} | {s['tool_calls']} | {s['invalid_calls']} | "
                      f"{s['leaked_markup']} | {f(s['malformed_rate'])} |")
+    turns = sorted({int(n) for s in summary.values() for n in s["ttft_by_turn"]})
+    shown = [n for n in turns if n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48) or n == turns[-1]]
+    if shown:
+        lines += ["", "Time to first token by turn (median seconds over task runs; the n-th model call of a task run "
+                  "resends a history that grows with n: flat means the server reuses it):", "",
+                  "| condition | " + " | ".join(f"turn {n}" for n in shown) + " |", "|---|" + "---|" * len(shown)]
+        for cname, s in summary.items():
+            by = {int(n): v for n, v in s["ttft_by_turn"].items()}
+            lines.append(f"| {cname} | " + " | ".join(f(by.get(n)) for n in shown) + " |")
     lines += ["", "Cold start: the first task run this harness sent to each endpoint, against the warm runs of the same "
               "task and condition (total seconds):", ""]
     lines += [f"- {c}, {x['task']}: cold {x['total_s']:.2f} s, warm median {f(x['warm_total_s'], 2)} s"

@@ -128,6 +128,11 @@ def test_oracle_endpoint_solves_every_suite(endpoint, tmp_path):
     report = (tmp_path / "run" / "report.md").read_text()
     assert "| algorithm=ar |" in report and "| algorithm=low_confidence,block_size=32 | coding | 8 | 1.000 |" in report
     assert "| algorithm=low_confidence,block_size=32 | 32 | " in report  # formatting stability per block size
+    for cond in summary.values():  # TTFT per turn: every model call index of the runs, up to the longest run
+        by_turn = cond["ttft_by_turn"]
+        assert list(by_turn) == list(range(1, max(r["steps"] for r in results) + 1))
+        assert all(t is not None and t > 0 for t in by_turn.values())
+    assert "Time to first token by turn" in report and "| turn 1 |" in report
 
 
 def test_endpoints_side_by_side(endpoint, tmp_path):
