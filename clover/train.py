@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+import pickle
 import sys
 import time
 from contextlib import nullcontext
@@ -236,7 +237,11 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     start = 0
     state = None
     if resume and (ckpt / "trainer_state.pt").is_file():
-        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+        try:  # tensors, numbers, strings and containers only: a crafted file cannot run code
+            state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"{ckpt / 'trainer_state.pt'} holds more than optimizer state and settings "
+                                  f"(refused, nothing was run): {str(exc).splitlines()[0]}") from exc
         saved = TrainConfig(**state["config"])
         if dataclasses.replace(saved, steps=cfg.steps) != cfg:
             raise ValueError(f"--resume with different settings than the run in {out}; only --steps may change")

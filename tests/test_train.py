@@ -261,3 +261,21 @@ def test_distill_data_holds_the_models_own_greedy_outputs_and_trains(data_dir, t
     run = train(_cfg(tmp_path / "d", tmp_path / "run", objective="diffusion", sft=True, pack=True, seq_len=256,
                      steps=2, mix="chat=0.7,code=0.3"))
     assert math.isfinite(run["loss"])
+
+
+def test_resume_refuses_a_trainer_state_that_would_run_code(data_dir, tmp_path):
+    from clover.checkpoint import CheckpointError
+
+    cfg = _cfg(data_dir, tmp_path / "run", steps=3, save_every=3, eval_every=3)
+    train(cfg)
+    state = tmp_path / "run" / "checkpoint" / "trainer_state.pt"
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"step": 3, "optimizer": Payload(), "config": {}}, state)
+    with pytest.raises(CheckpointError, match="refused, nothing was run"):
+        train(_cfg(data_dir, tmp_path / "run", steps=6, save_every=3, eval_every=3), resume=True)
+    assert not marker.exists()
