@@ -141,6 +141,22 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[MessageIn] | None = None
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 # -- the app ----------------------------------------------------------------------------------------------
 
 
@@ -258,9 +274,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             raise APIError(400, "logprobs are not supported", param="logprobs")
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}", param="n")
-        if req.model is not None and req.model != cfg.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {cfg.model_name!r}",
-                           param="model", code="model_not_found")
+        _check_model(req.model)
         room = ctx - prompt_len
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens but the context limit is {ctx} tokens",
@@ -339,22 +353,46 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             return APIError(400, str(exc))
         return APIError(500, f"internal error: {exc}", "server_error")
 
+    def _thinking(kwargs: dict | None) -> bool:
+        thinking = (kwargs or {}).get("enable_thinking", True)
+        if not isinstance(thinking, bool):
+            raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean",
+                           param="chat_template_kwargs.enable_thinking")
+        return thinking
+
+    def _tools(defs: list[ToolDef] | None) -> list[dict] | None:
+        tools = [t.model_dump(exclude_none=True) for t in defs] if defs else None
+        try:
+            validate_tools(tools)
+        except ChatFormatError as exc:
+            raise APIError(400, str(exc), param="tools") from exc
+        return tools
+
+    def _messages(items: list[MessageIn]) -> list[dict]:
+        """OpenAI messages as the chat template takes them (developer -> system, text parts joined)."""
+        messages = []
+        for m in items:
+            d = m.model_dump(exclude_none=True)
+            if d["role"] == "developer":
+                d["role"] = "system"
+            if isinstance(d.get("content"), list):
+                d["content"] = "".join(p["text"] for p in d["content"])
+            messages.append(d)
+        return messages
+
+    def _check_model(name: str | None) -> None:
+        if name is not None and name != cfg.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {cfg.model_name!r}",
+                           param="model", code="model_not_found")
+
     # -- chat ---------------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req: ChatRequest = await _body(request, ChatRequest)
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise APIError(400, "only response_format type 'text' is supported", param="response_format")
-        kwargs = req.chat_template_kwargs or {}
-        thinking = kwargs.get("enable_thinking", True)
-        if not isinstance(thinking, bool):
-            raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean",
-                           param="chat_template_kwargs.enable_thinking")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        try:
-            validate_tools(tools)
-        except ChatFormatError as exc:
-            raise APIError(400, str(exc), param="tools") from exc
+        thinking = _thinking(req.chat_template_kwargs)
+        tools = _tools(req.tools)
         choice = req.tool_choice or "auto"
         prefix = ""
         if choice != "auto" and choice != "none" and not tools:
@@ -366,14 +404,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             prefix, thinking = f"<tool_call>\n<function={choice.function.name}>\n", False
         elif choice == "required":
             prefix, thinking = "<tool_call>\n", False
-        messages = []
-        for m in req.messages:
-            d = m.model_dump(exclude_none=True)
-            if d["role"] == "developer":
-                d["role"] = "system"
-            if isinstance(d.get("content"), list):
-                d["content"] = "".join(p["text"] for p in d["content"])
-            messages.append(d)
+        messages = _messages(req.messages)
         try:
             prompt = tokenizer.apply_chat_template(messages, tools=tools if choice != "none" else None,
                                                    enable_thinking=thinking) + prefix
@@ -536,12 +567,45 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    model_card = {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "clover", "max_model_len": ctx}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "clover", "max_model_len": ctx}]}
+        return {"object": "list", "data": [model_card]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model_by_id(model_id: str) -> dict:
+        _check_model(model_id)
+        return model_card
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req: TokenizeRequest = await _body(request, TokenizeRequest)
+        _check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if req.prompt is not None:
+            text = req.prompt
+        else:
+            try:
+                text = tokenizer.apply_chat_template(_messages(req.messages), tools=_tools(req.tools),
+                                                     add_generation_prompt=req.add_generation_prompt,
+                                                     enable_thinking=_thinking(req.chat_template_kwargs))
+            except ChatFormatError as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+        ids = await asyncio.to_thread(tokenizer.encode, text)
+        return {"count": len(ids), "max_model_len": ctx, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req: DetokenizeRequest = await _body(request, DetokenizeRequest)
+        _check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok", "running": engine.engine.num_running, "queued": engine.queue_depth}
 

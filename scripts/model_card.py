@@ -38,7 +38,8 @@ def main() -> None:
     runs, model_dir = Path(sys.argv[1]), Path(sys.argv[2])
     load = lambda name: json.loads((runs / name).read_text()) if (runs / name).is_file() else None  # noqa: E731
     wall = load("wall_time.json") or {}
-    stages = {name: _stage(runs / name) for name in ("ar", "diff", "sft") if (runs / name / "log.jsonl").is_file()}
+    stages = {name: _stage(runs / name) for name in ("ar", "diff", "sft", "distill")
+              if (runs / name / "log.jsonl").is_file()}
     bpb_ar, bpb_final = load("eval_bpb_ar.json"), load("eval_bpb_final.json")
     match, tasks = load("eval_match.json"), load("eval_tasks.json")
     parent_match = load("eval_match_ar_parent.json")

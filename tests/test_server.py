@@ -414,3 +414,25 @@ def test_a_failure_after_the_stream_started_is_an_error_event_shaped_like_an_htt
     assert events[-1] == {"error": {"message": "internal error: engine failure: device lost", "type": "server_error",
                                     "param": None, "code": None}}
     assert after.status_code == 500 and after.json() == events[-1]  # the same body as an HTTP error
+
+
+def test_model_by_id_tokenize_detokenize_and_head_health(server):
+    url, client = server
+    assert client.models.retrieve("debug").id == "debug"
+    missing = httpx.get(url + "/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.head(url + "/health").status_code == 200
+    text = "def add(a, b):\n    return a + b"
+    tok = httpx.post(url + "/tokenize", json={"prompt": text}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024
+    assert httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == text
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                               "chat_template_kwargs": {"enable_thinking": False}}).json()
+    reply = client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert chat["count"] == reply.usage.prompt_tokens      # the same rendering the chat endpoint decodes from
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "model": "other"}, "model")):
+        r = httpx.post(url + path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body, r.text)
