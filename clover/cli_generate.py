@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,7 +301,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.prefix_cache_bytes < 0:
         raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {args.prefix_cache_bytes}")
-    serve(args.model, args.host, args.port, args.api_key, args.max_batch_size, args.max_queue, args.dtype,
+    api_key = args.api_key or os.environ.get("CLOVER_API_KEY") or None
+    serve(args.model, args.host, args.port, api_key, args.max_batch_size, args.max_queue, args.dtype,
           args.device, args.served_model_name, args.prefix_cache_bytes, args.max_prefill_tokens or None)
     return 0
 
@@ -318,7 +320,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_model_options(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $CLOVER_API_KEY, so "
+                                     "that the key need not appear in the process list)")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     p.add_argument("--served-model-name", help="the model id clients use (default: the directory name)")

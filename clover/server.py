@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
@@ -36,13 +37,15 @@ from clover.sampling import SamplingParams
 from clover.tokenizer import Tokenizer
 
 MAX_N = 8
+MAX_STOP_CHARS = 1024
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
 
 # -- request schemas ------------------------------------------------------------------------------------
@@ -166,6 +169,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int = 64
     default_max_tokens: int = 512
+    max_body_bytes: int = 4 << 20           # a larger request body is answered 413 before it is parsed
 
 
 @dataclass
@@ -182,8 +186,9 @@ class _Choice:
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status,
+                        headers=headers)
 
 
 def _event(data: dict) -> str:
@@ -232,7 +237,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     @app.middleware("http")
     async def _auth_and_count(request: Request, call_next: Any) -> Any:
         if cfg.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+            sent = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(sent, f"Bearer {cfg.api_key}".encode()):  # constant time
                 errors[401] = errors.get(401, 0) + 1
                 return _error(401, "invalid or missing API key (send Authorization: Bearer KEY)",
                               "authentication_error", code="invalid_api_key")
@@ -243,7 +249,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -256,9 +262,20 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                       "invalid_request_error")
 
     async def _body(request: Request, schema: type[BaseModel]) -> Any:
-        raw = await request.body()
+        """The JSON body read up to `max_body_bytes` (413 beyond), parsed off the event loop."""
+        limit = cfg.max_body_bytes
+        too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            data = json.loads(raw)
+            data = await asyncio.to_thread(json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
@@ -303,6 +320,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > 16 or any(not s for s in stops):
             raise APIError(400, "stop must be up to 16 non-empty strings", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"each stop string must be at most {MAX_STOP_CHARS} characters", param="stop")
         return tuple(stops)
 
     def _usage(prompt_len: int, choices: list[_Choice]) -> dict:
@@ -348,7 +367,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
     def _start_error(exc: BaseException) -> APIError:
         if isinstance(exc, QueueFull):
-            return APIError(429, str(exc), "rate_limit_error", code="queue_full")
+            return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         if isinstance(exc, ValueError):
             return APIError(400, str(exc))
         return APIError(500, f"internal error: {exc}", "server_error")
@@ -406,11 +425,13 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             prefix, thinking = "<tool_call>\n", False
         messages = _messages(req.messages)
         try:
-            prompt = tokenizer.apply_chat_template(messages, tools=tools if choice != "none" else None,
-                                                   enable_thinking=thinking) + prefix
+            # templating and tokenising run off the event loop: a huge prompt must not stall other requests
+            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                             tools=tools if choice != "none" else None, enable_thinking=thinking)
+            prompt += prefix
         except ChatFormatError as exc:
             raise APIError(400, str(exc), param="messages") from exc
-        ids = tokenizer.encode(prompt)
+        ids = await asyncio.to_thread(tokenizer.encode, prompt)
         max_new = req.max_completion_tokens or req.max_tokens
         params = _n_params(_params(req, max_new, len(ids), _stops(req.stop)), req.n)
         parse_tools = tools if choice != "none" else None
@@ -518,7 +539,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             raise APIError(400, "give one prompt per request", param="prompt")
         if not prompts[0]:
             raise APIError(400, "prompt is empty", param="prompt")
-        ids = tokenizer.encode(prompts[0])
+        ids = await asyncio.to_thread(tokenizer.encode, prompts[0])
         params = _n_params(_params(req, req.max_tokens, len(ids), _stops(req.stop)), req.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [_Choice(i, None) for i in range(req.n)]

@@ -331,6 +331,19 @@ def test_full_queue_answers_429_and_api_key_is_enforced():
             "invalid_api_key"
         assert http.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert http.get("/health").status_code == 200  # probes need no key
+    app = build_app(TextScriptModel([5] * 5, config), tok, ServerConfig(model_name="m", max_waiting=0,
+                                                                        max_body_bytes=2000))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with TestClient(app) as http:
+        busy = http.post("/v1/chat/completions", json=chat)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        big = http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": "x" * 5000}]})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        chunked = http.post("/v1/chat/completions", content=iter([b"{" + b" " * 1500, b" " * 1500 + b"}"]),
+                            headers={"content-type": "application/json"})
+        assert chunked.status_code == 413                # no content-length: counted while read
+        long_stop = http.post("/v1/chat/completions", json={**chat, "stop": ["y" * 1025]})
+        assert long_stop.status_code == 400 and long_stop.json()["error"]["param"] == "stop"
 
 
 def test_sigterm_lets_an_in_flight_stream_finish(tmp_path):
