@@ -125,15 +125,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tools = _read_tools(args.tools) if args.tools else None
     if tools and not args.chat:
         raise ValueError("--tools needs --chat: tools are offered in a chat turn")
+    ids = tok.encode(prompt)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": text}]
         prompt = tok.apply_chat_template(messages, tools=tools, enable_thinking=not args.no_think)
+        ids = tok.encode_chat(messages, tools=tools, enable_thinking=not args.no_think)
     engine = Engine(loaded.model, tok)
     streaming = not (args.json or args.show_steps)
     result = None
     with torch.inference_mode():
-        for event in engine.stream(tok.encode(prompt), params):
+        for event in engine.stream(ids, params):
             if streaming and event.text:
                 print(event.text, end="", flush=True)
             result = event.result or result
@@ -188,13 +190,13 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 # -- chat ---------------------------------------------------------------------------------------------
 
 
-def _print_turn(engine: Engine, tok: Tokenizer, prompt: str, params: SamplingParams, thinking: bool,
+def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: SamplingParams, thinking: bool,
                 colour: bool) -> tuple[GenerationResult, str]:
     parser = StreamingParser(thinking=thinking)
     dim, reset = (DIM, RESET) if colour else ("", "")
     in_reasoning = False
     result = None
-    for event in engine.stream(tok.encode(prompt), params):
+    for event in engine.stream(ids, params):
         result = event.result or result
         d = parser.feed(event.text)
         if event.finished:
@@ -258,7 +260,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         prompt = tok.apply_chat_template(system + messages, enable_thinking=thinking)
         try:
-            result, content = _print_turn(engine, tok, prompt, params, thinking, colour)
+            result, content = _print_turn(engine, tok, tok.encode_chat(system + messages, enable_thinking=thinking),
+                                          params, thinking, colour)
         except ValueError as exc:  # e.g. the conversation outgrew the context
             messages.pop()
             print(f"error: {exc}. Use /reset to start over.")

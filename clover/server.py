@@ -425,13 +425,12 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             prefix, thinking = "<tool_call>\n", False
         messages = _messages(req.messages)
         try:
-            # templating and tokenising run off the event loop: a huge prompt must not stall other requests
-            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
-                                             tools=tools if choice != "none" else None, enable_thinking=thinking)
-            prompt += prefix
+            # templating and tokenising run off the event loop: a huge prompt must not stall other requests;
+            # special tokens come only from the template (message text cannot forge a turn or a mask)
+            ids = await asyncio.to_thread(tokenizer.encode_chat, messages, tools=tools if choice != "none" else None,
+                                          enable_thinking=thinking, suffix=prefix)
         except ChatFormatError as exc:
             raise APIError(400, str(exc), param="messages") from exc
-        ids = await asyncio.to_thread(tokenizer.encode, prompt)
         max_new = req.max_completion_tokens or req.max_tokens
         params = _n_params(_params(req, max_new, len(ids), _stops(req.stop)), req.n)
         parse_tools = tools if choice != "none" else None
@@ -606,15 +605,14 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if req.prompt is not None:
-            text = req.prompt
+            ids = await asyncio.to_thread(tokenizer.encode, req.prompt)
         else:
             try:
-                text = tokenizer.apply_chat_template(_messages(req.messages), tools=_tools(req.tools),
-                                                     add_generation_prompt=req.add_generation_prompt,
-                                                     enable_thinking=_thinking(req.chat_template_kwargs))
+                ids = await asyncio.to_thread(tokenizer.encode_chat, _messages(req.messages), tools=_tools(req.tools),
+                                              add_generation_prompt=req.add_generation_prompt,
+                                              enable_thinking=_thinking(req.chat_template_kwargs))
             except ChatFormatError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
-        ids = await asyncio.to_thread(tokenizer.encode, text)
         return {"count": len(ids), "max_model_len": ctx, "tokens": ids}
 
     @app.post("/detokenize")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -33,6 +35,7 @@ class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str = DEFAULT_CHAT_TEMPLATE) -> None:
         self.tk = tokenizer
         self.chat_template = chat_template
+        self._plain: HFTokenizer | None = None  # a copy that encodes special-token text as plain text
         missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
         if missing:
             raise TokenizerError(f"tokenizer lacks the special token(s) {missing}")
@@ -64,6 +67,43 @@ class Tokenizer:
         enable_thinking: bool = True, **extra: Any,
     ) -> str:
         return render_chat(self.chat_template, messages, tools, add_generation_prompt, enable_thinking, **extra)
+
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+        enable_thinking: bool = True, suffix: str = "", **extra: Any,
+    ) -> list[int]:
+        """Ids of the rendered conversation (+ `suffix`, trusted template text) in which special tokens come
+        only from the template: a special token written inside a message's content or reasoning is
+        encoded as plain text, so user text cannot close a turn, open a system turn or insert a mask.
+        Conversations without such text encode exactly as `encode(apply_chat_template(...))`."""
+        fields = ("content", "reasoning_content")
+        specials = list(self.special_ids)
+        texts = [m[f] for m in messages for f in fields if isinstance(m.get(f), str)]
+        if not any(sp in t for t in texts for sp in specials):
+            return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking,
+                                                        **extra) + suffix)
+        # render with each untrusted text replaced by a marker, then encode the pieces apart
+        nonce = secrets.token_hex(8)  # no text can hold this marker by chance
+        originals: list[str] = []
+        marked = []
+        for m in messages:
+            m = dict(m)
+            for f in fields:
+                if isinstance(m.get(f), str) and m[f]:  # the template tests these for emptiness
+                    originals.append(m[f])
+                    m[f] = f"<{nonce}:{len(originals) - 1}>"
+            marked.append(m)
+        rendered = self.apply_chat_template(marked, tools, add_generation_prompt, enable_thinking, **extra) + suffix
+        if self._plain is None:
+            self._plain = HFTokenizer.from_str(self.tk.to_str())
+            self._plain.encode_special_tokens = True
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(f"<{nonce}:(\\d+)>", rendered)):
+            if i % 2:  # an untrusted text
+                ids += self._plain.encode(originals[int(piece)], add_special_tokens=False).ids
+            elif piece:
+                ids += self.encode(piece)
+        return ids
 
     # -- files ------------------------------------------------------------------------------------------
     @classmethod
