@@ -15,6 +15,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 
 from clover.config import CloverConfig, ConfigError
 from clover.model import CloverForCausalLM, RotaryEmbedding
+from clover.tokenizer import Tokenizer
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -336,3 +338,21 @@ def _neutral(name: str, shape: torch.Size, config: CloverConfig) -> torch.Tensor
     if name.endswith("preview_log_scale"):
         return torch.full(tuple(shape), math.log(math.sqrt(config.linear_key_head_dim)))
     return torch.zeros(tuple(shape))
+
+
+@dataclass
+class Loaded:
+    model: CloverForCausalLM
+    tokenizer: Tokenizer
+    defaults: dict
+
+
+def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str = "cpu") -> Loaded:
+    """A checkpoint ready to decode: the model, its tokenizer and its generation defaults."""
+    directory = Path(model_dir) if model_dir else default_model_dir()
+    model = load_checkpoint(directory, dtype=dtype, device=device)
+    tokenizer = Tokenizer.load(directory)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                         f"{model.config.vocab_size}")
+    return Loaded(model, tokenizer, load_generation_config(directory))

@@ -6,37 +6,18 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from clover.chat import StreamingParser, parse_output, validate_tools
-from clover.checkpoint import default_model_dir, load_checkpoint, load_generation_config
+from clover.checkpoint import load_for_generation
 from clover.engine import Engine, GenerationResult
-from clover.model import CloverForCausalLM
 from clover.sampling import ALGORITHMS, SamplingParams
 from clover.tokenizer import Tokenizer
 from clover.trace import render_steps_ansi, write_trace_html
 
 DIM, RESET = "\033[2m", "\033[0m"
-
-
-@dataclass
-class Loaded:
-    model: CloverForCausalLM
-    tokenizer: Tokenizer
-    defaults: dict
-
-
-def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str = "cpu") -> Loaded:
-    directory = Path(model_dir) if model_dir else default_model_dir()
-    model = load_checkpoint(directory, dtype=dtype, device=device)
-    tokenizer = Tokenizer.load(directory)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                         f"{model.config.vocab_size}")
-    return Loaded(model, tokenizer, load_generation_config(directory))
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:

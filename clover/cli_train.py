@@ -213,7 +213,7 @@ def cmd_eval_agent(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from clover import evaluate
-    from clover.cli_generate import load_for_generation
+    from clover.checkpoint import load_for_generation
 
     loaded = load_for_generation(args.model, "float32", "cpu")
     model, tok = loaded.model, loaded.tokenizer

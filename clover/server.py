@@ -681,7 +681,7 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
 
     import uvicorn
 
-    from clover.cli_generate import load_for_generation
+    from clover.checkpoint import load_for_generation
 
     loaded = load_for_generation(model_dir, dtype, device)
     name = model_name or (str(model_dir).rstrip("/").split("/")[-1] if model_dir else "clover-tiny")
