@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -268,13 +268,8 @@ class Engine:
         remember = self.prefix is not None and fn == "causal" and kw.get("write", True)
         if remember:
             before, rings, kw["gdn_trace"] = self._before(rows)
-        t0 = time.perf_counter()
-        out = getattr(self.model, fn)(ids, self.cache, lengths=torch.tensor(lengths, device=ids.device), rows=rows,
-                                      **kw)
-        dt = time.perf_counter() - t0
-        self.forward_seconds += dt
-        for s in seqs:
-            s.stats.model_time += dt
+        out = self._timed(seqs, lambda: getattr(self.model, fn)(
+            ids, self.cache, lengths=torch.tensor(lengths, device=ids.device), rows=rows, **kw))
         if remember:
             self._remember(seqs, before, rings, kw["gdn_trace"])
         return out
@@ -286,18 +281,23 @@ class Engine:
         dev = self.model.device
         remember = self.prefix is not None and commit
         before, rings, trace = self._before(rows) if remember else (None, None, None)
-        t0 = time.perf_counter()
-        out = self.model.causal_and_preview(
+        out = self._timed(seqs, lambda: self.model.causal_and_preview(
             self.pad(clean, 0), self.pad(blocks, self.config.mask_token_id), self.cache,
             clean_lengths=torch.tensor([len(c) for c in clean], device=dev),
             block_lengths=torch.tensor([len(b) for b in blocks], device=dev), rows=rows, commit=commit,
-            clean_logits=clean_logits, gdn_trace=trace)
+            clean_logits=clean_logits, gdn_trace=trace))
+        if remember:
+            self._remember(seqs, before, rings, trace)
+        return out
+
+    def _timed(self, seqs: list[SequenceState], call: Callable[[], object]) -> object:
+        """Run one forward, adding its wall time to the engine's and to each sequence's model time."""
+        t0 = time.perf_counter()
+        out = call()
         dt = time.perf_counter() - t0
         self.forward_seconds += dt
         for s in seqs:
             s.stats.model_time += dt
-        if remember:
-            self._remember(seqs, before, rings, trace)
         return out
 
     def _rows(self, seqs: list[SequenceState]) -> torch.Tensor | slice:
