@@ -226,6 +226,7 @@ class VerifyPolicy(_Blocks):
         prefill: its causal logits predict the first slot of the first block."""
         whole = len(s.prompt) // s.block_size * s.block_size
         return whole - 1 if whole == len(s.prompt) else whole
+
     def _end(self, s: SequenceState) -> int:
         """The end of the range a check looks at: `window` slots past the first unverified one."""
         j = int(s.resolved.sum())
@@ -246,8 +247,9 @@ class VerifyPolicy(_Blocks):
             seqs = [s for s in seqs if s.finish_reason is None]
             if not seqs:
                 return
-        # each check runs the block with its drafts up to the last drafted slot in range
-        ends = [min(self._end(s), s.draft_end) for s in seqs]
+        # each check runs the block with its drafts up to the last drafted slot in range (none, when a
+        # kept window and the causal head's next token went past what the last preview drafted)
+        ends = [max(int(s.resolved.sum()), min(self._end(s), s.draft_end)) for s in seqs]
         drafted = [torch.where(s.resolved, s.block, s.drafts)[: max(e, 1)] for s, e in zip(seqs, ends, strict=True)]
         if self.fused:
             # the preview sees only verified slots: feeding it the drafts being checked (all of them, or

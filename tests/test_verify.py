@@ -113,6 +113,35 @@ class PoisonedVerify(VerifyPolicy):
                 s.drafts[slot] = (right + 1) % (self.vocab - 2) if (s.pos + slot) % 5 == 3 else right
 
 
+class TruthfulVerify(VerifyPolicy):
+    """Drafts that are always `ar`'s own tokens: every draft is kept and each full window is followed by
+    the causal head's next token, past what the preview drafted."""
+
+    def __init__(self, truth: list[int], prompt_len: int, window: int) -> None:
+        super().__init__(fused=True, window=window)
+        self.truth, self.prompt_len = truth, prompt_len
+
+    def _draft(self, engine, s, logits):
+        super()._draft(engine, s, logits)
+        for slot in (~s.resolved[: s.draft_end]).nonzero().squeeze(-1).tolist():
+            k = s.pos + slot - self.prompt_len
+            if 0 <= k < len(self.truth):
+                s.drafts[slot] = self.truth[k]
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_kept_windows_continue_with_the_causal_heads_token(model, window):
+    prompt = _prompts()[1]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, algorithm="verify", record_steps=True)
+    truth = Engine(model).generate([prompt], params.with_(algorithm="ar"))[0].token_ids
+    result = Engine(model, policies={"verify": TruthfulVerify(truth, len(prompt), window)}).generate([prompt],
+                                                                                                      params)[0]
+    assert result.token_ids == truth
+    s = result.stats
+    assert s.drafts_accepted == s.drafts_proposed > 0 and not any(r.rejected for r in result.trace)
+    assert s.generated_tokens > s.check_forwards  # more than one token per check
+
+
 def _assert_cache_is_prefill_of(model, engine, s, tokens):
     ref = model.new_cache(1)
     model.causal(torch.tensor([tokens[: s.pos]]), ref, logits="none")
