@@ -302,7 +302,8 @@ def test_full_queue_answers_429_and_api_key_is_enforced():
     engine = AsyncEngine(Engine(TextScriptModel([5] * 50, config), tok, max_batch_size=1), max_waiting=1)
 
     async def scenario():
-        params = SamplingParams(max_new_tokens=30, algorithm="ar", ignore_eos=True)
+        # long enough that no request can finish before the scenario closes it (a race on busy machines)
+        params = SamplingParams(max_new_tokens=1000, algorithm="ar", ignore_eos=True)
         first = engine.generate([1, 2], params)
         second = engine.generate([1, 2], params)
         third = engine.generate([1, 2], params)
