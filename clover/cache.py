@@ -155,7 +155,3 @@ class PrefixCache:
             cat([c.keys for c in caches]), cat([c.values for c in caches]),
             cat([c.states for c in caches]), cat([c.rings for c in caches]),
         )
-
-    def nbytes(self) -> int:
-        tensors = [self.lengths] + [t for xs in (self.keys, self.values, self.states, self.rings) for t in xs if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)

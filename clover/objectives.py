@@ -77,10 +77,6 @@ def _ar_sums(model: CloverForCausalLM, hidden: torch.Tensor, ids: torch.Tensor, 
     return F.cross_entropy(logits.float(), ids[:, 1:][targets], reduction="sum"), int(targets.sum())
 
 
-def ar_denominator(eligible: torch.Tensor) -> int:
-    return int(eligible[:, 1:].sum())
-
-
 def compute_loss(
     model: CloverForCausalLM, ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor,
     cfg: ObjectiveConfig, noises: list[Noise] | None, denominators: dict[str, float],
