@@ -102,10 +102,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, help="the tiny preset at random with this context (long prompts)")
     parser.add_argument("--max-prefill-tokens", type=int, help="chunked prefill of at most this many tokens a step")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
-    parser.add_argument("--quick", action="store_true", help="prompt 64, batch 1, block 32, threshold 0.95 only")
+    parser.add_argument("--quick", action="store_true", help="prompt 64, batch 1, block 32, the default threshold only")
     args = parser.parse_args()
     if args.quick:
-        args.prompt_lengths, args.batches, args.block_sizes, args.thresholds = "64", "1", "32", "0.95"
+        args.prompt_lengths, args.batches, args.block_sizes = "64", "1", "32"
+        args.thresholds = str(SamplingParams().threshold)
     model, source = _model(args.model, args.context)
     tokenizer = None
     if source != "tiny preset, random weights":

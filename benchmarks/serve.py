@@ -37,8 +37,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--algorithm", default="low_confidence", choices=["low_confidence", "ar"])
-    parser.add_argument("--threshold", type=float, default=0.95)
+    parser.add_argument("--algorithm", choices=["low_confidence", "ar", "verify"], help="(default: the server's)")
+    parser.add_argument("--threshold", type=float, help="(default: the server's)")
     args = parser.parse_args()
     port = _port()
     cmd = [sys.executable, "-m", "clover.cli", "serve", "--port", str(port), "--max-batch-size", "32"]

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from clover.config import CloverConfig, ConfigError
+from clover.config import CloverConfig, ConfigError, GenerationConfig
 from clover.model import CloverForCausalLM, RotaryEmbedding
 from clover.tokenizer import Tokenizer
 
@@ -108,8 +108,8 @@ def _write_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_
 
 
 def default_generation_config(config: CloverConfig) -> dict:
-    return {"algorithm": "low_confidence", "block_size": config.block_size, "threshold": 0.95, "temperature": 0.0,
-            "eos_token_id": config.eos_token_ids, "mask_token_id": config.mask_token_id}
+    return {**GenerationConfig(block_size=config.block_size).to_dict(), "eos_token_id": config.eos_token_ids,
+            "mask_token_id": config.mask_token_id}
 
 
 def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> None:
@@ -344,7 +344,7 @@ def _neutral(name: str, shape: torch.Size, config: CloverConfig) -> torch.Tensor
 class Loaded:
     model: CloverForCausalLM
     tokenizer: Tokenizer
-    defaults: dict
+    generation: GenerationConfig
 
 
 def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str = "cpu") -> Loaded:
@@ -355,4 +355,4 @@ def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str 
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}")
-    return Loaded(model, tokenizer, load_generation_config(directory))
+    return Loaded(model, tokenizer, GenerationConfig.from_dict(load_generation_config(directory)))

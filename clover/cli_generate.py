@@ -12,6 +12,7 @@ import torch
 
 from clover.chat import StreamingParser, parse_output, validate_tools
 from clover.checkpoint import load_for_generation
+from clover.config import GenerationConfig
 from clover.engine import Engine, GenerationResult
 from clover.sampling import ALGORITHMS, SamplingParams
 from clover.tokenizer import Tokenizer
@@ -30,18 +31,19 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding (defaults from the checkpoint's generation_config.json)")
-    g.add_argument("--algorithm", choices=ALGORITHMS, help="low_confidence (block diffusion), ar, or verify (block drafts checked by the causal head: ar's output)")
-    g.add_argument("--block-size", type=int, help="block size (default: the model's, 32)")
-    g.add_argument("--threshold", type=float, help="confidence to accept a position (default 0.95)")
+    g.add_argument("--algorithm", choices=ALGORITHMS, help="low_confidence (block diffusion), ar, or verify (block "
+                                                           "drafts checked by the causal head: ar's output)")
+    g.add_argument("--block-size", type=int, help="block size (default: the model's)")
+    g.add_argument("--threshold", type=float, help="confidence to accept a position")
     g.add_argument("--max-accept", type=int, help="cap on positions accepted per step")
     g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, help="0 (default) is greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, help="0 is greedy")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
     g.add_argument("--seed", type=int)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--frequency-penalty", type=float)
+    g.add_argument("--repetition-penalty", type=float)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
@@ -50,18 +52,16 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="FILE.html", help="write a page that replays the denoising step by step")
 
 
-def sampling_params(args: argparse.Namespace, defaults: dict) -> SamplingParams:
-    def pick(value: object, key: str, fallback: object) -> object:
-        return value if value is not None else defaults.get(key, fallback)
-
+def sampling_params(args: argparse.Namespace, generation: GenerationConfig) -> SamplingParams:
+    """The checkpoint's decoding defaults with the options given on the command line."""
+    decoding = generation.merged(
+        algorithm=args.algorithm, block_size=args.block_size, threshold=args.threshold, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     return SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=float(pick(args.temperature, "temperature", 0.0)),
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-        stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos,
-        algorithm=str(pick(args.algorithm, "algorithm", "low_confidence")),
-        block_size=pick(args.block_size, "block_size", None), threshold=float(pick(args.threshold, "threshold", 0.95)),
-        max_accept_per_step=args.max_accept, record_steps=bool(args.show_steps or args.trace),
+        **decoding, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos, max_accept_per_step=args.max_accept,
+        record_steps=bool(args.show_steps or args.trace),
     )
 
 
@@ -100,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not text.strip():
         raise ValueError("the prompt is empty")
     loaded = load_for_generation(args.model, args.dtype, args.device)
-    params = sampling_params(args, loaded.defaults)
+    params = sampling_params(args, loaded.generation)
     tok = loaded.tokenizer
     prompt = text
     tools = _read_tools(args.tools) if args.tools else None
@@ -204,7 +204,7 @@ def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: Sampling
 def cmd_chat(args: argparse.Namespace) -> int:
     loaded = load_for_generation(args.model, args.dtype, args.device)
     tok, engine = loaded.tokenizer, Engine(loaded.model, loaded.tokenizer)
-    params = sampling_params(args, loaded.defaults)
+    params = sampling_params(args, loaded.generation)
     thinking, show_steps = not args.no_think, args.show_steps
     colour = sys.stdout.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from clover.chat import DEFAULT_CHAT_TEMPLATE, render_chat
 from clover.data import build_corpus, encode_corpus, read_raw
+from clover.sampling import ALGORITHMS, SamplingParams
 from clover.tokenizer import Tokenizer
 from clover.train import TrainConfig, train
 
@@ -226,7 +227,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             model, tok, args.data, args.prompts, args.new_tokens, tuple(map(float, args.thresholds.split(","))),
             args.block_size, args.batch)}
     else:
-        runs = [evaluate.agent_tasks(model, tok, args.count, thinking, args.algorithm, args.threshold)
+        params = SamplingParams(**loaded.generation.merged(algorithm=args.algorithm, threshold=args.threshold))
+        runs = [evaluate.agent_tasks(model, tok, args.count, thinking, params)
                 for thinking in ([True, False] if args.thinking == "both" else [args.thinking == "on"])]
         result = {"evaluation": "agent_tasks", "runs": runs}
     result["model"] = str(args.model or "shipped")
@@ -289,8 +291,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         else:
             e.add_argument("--count", type=int, default=100)
             e.add_argument("--thinking", default="both", choices=["on", "off", "both"])
-            e.add_argument("--algorithm", default="low_confidence", choices=["low_confidence", "ar", "verify"])
-            e.add_argument("--threshold", type=float, default=0.95)
+            e.add_argument("--algorithm", choices=list(ALGORITHMS), help="(default: the model's generation config)")
+            e.add_argument("--threshold", type=float, help="(default: the model's generation config)")
         e.set_defaults(func=cmd_eval)
 
 

@@ -291,3 +291,35 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
     ),
 }
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding defaults (`generation_config.json` of a checkpoint): the one place they are written.
+
+    `SamplingParams` takes its defaults from here; the CLI, the server, evaluations and benchmarks
+    override fields per request and never restate them. Block size None means the model's.
+    """
+
+    algorithm: str = "low_confidence"
+    block_size: int | None = None
+    threshold: float = 0.95
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationConfig:
+        """The decoding fields of a generation_config.json (other keys, such as eos ids, are left out)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def merged(self, **overrides: Any) -> dict[str, Any]:
+        """These defaults with every override that is not None applied (a request's explicit settings)."""
+        return {**self.to_dict(), **{k: v for k, v in overrides.items() if v is not None}}

@@ -87,10 +87,10 @@ def continuation_match(model: CloverForCausalLM, tok: Tokenizer, data: str | Pat
     pairs = code_prompts(tok, data, count, new_tokens)
     engine = Engine(model, tok, max_batch_size=batch)
     rows = []
+    base = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, block_size=block_size)
     settings = [("ar", None)] + [("low_confidence", th) for th in thresholds]
     for algorithm, threshold in settings:
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, algorithm=algorithm,
-                                threshold=threshold or 0.95, block_size=block_size)
+        params = base.with_(algorithm=algorithm, threshold=base.threshold if threshold is None else threshold)
         t0 = time.perf_counter()
         results = engine.generate([p for p, _ in pairs], params)
         wall = time.perf_counter() - t0
@@ -140,9 +140,11 @@ def run_agent_task(engine: Engine, tok: Tokenizer, task: synthetic.Task, thinkin
 
 
 def agent_tasks(model: CloverForCausalLM, tok: Tokenizer, count: int = 100, thinking: bool = True,
-                algorithm: str = "low_confidence", threshold: float = 0.95, max_new_tokens: int = 160) -> dict:
+                params: SamplingParams | None = None, max_new_tokens: int = 160) -> dict:
+    """Synthetic agent tasks (test seeds) solved with `params` (default: the decoding defaults)."""
     engine = Engine(model, tok)
-    params = SamplingParams(max_new_tokens=max_new_tokens, algorithm=algorithm, threshold=threshold)
+    params = (params or SamplingParams()).with_(max_new_tokens=max_new_tokens)
+    algorithm, threshold = params.algorithm, params.threshold
     outcomes = []
     t0 = time.perf_counter()
     for task in synthetic.tasks("test", count):

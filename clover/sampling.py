@@ -10,29 +10,32 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from clover.config import GenerationConfig
+
 ALGORITHMS = ("low_confidence", "ar", "verify")
 # Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows to inf.
 GREEDY_BELOW = 1e-5
+_DEFAULTS = GenerationConfig()
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Everything one request may set. Defaults follow spec section 5."""
+    """Everything one request may set. The decoding defaults are `GenerationConfig`'s (spec section 5)."""
 
     max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0                      # 0: off
-    top_p: float = 1.0
+    temperature: float = _DEFAULTS.temperature
+    top_k: int = _DEFAULTS.top_k        # 0: off
+    top_p: float = _DEFAULTS.top_p
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float = _DEFAULTS.presence_penalty
+    frequency_penalty: float = _DEFAULTS.frequency_penalty
+    repetition_penalty: float = _DEFAULTS.repetition_penalty
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    algorithm: str = "low_confidence"
-    block_size: int | None = None       # None: the model's block size
-    threshold: float = 0.95
+    algorithm: str = _DEFAULTS.algorithm
+    block_size: int | None = _DEFAULTS.block_size  # None: the model's block size
+    threshold: float = _DEFAULTS.threshold
     max_accept_per_step: int | None = None  # None: no cap
     record_steps: bool = False          # keep the step that accepted each token and a per-step trace
 

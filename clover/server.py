@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover.async_engine import AsyncEngine, QueueFull
 from clover.chat import ChatFormatError, OutputDelta, StreamingParser, validate_tools
+from clover.config import GenerationConfig
 from clover.engine import Engine, GenerationResult
 from clover.model import CloverForCausalLM
 from clover.sampling import SamplingParams
@@ -113,8 +114,8 @@ class _Sampling(_Strict):
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
@@ -124,8 +125,8 @@ class _Sampling(_Strict):
     block_size: int | None = Field(default=None, ge=1, le=1024)
     threshold: float | None = Field(default=None, ge=0, le=1)
     max_accept_per_step: int | None = Field(default=None, ge=1)
-    top_k: int = Field(default=0, ge=0)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=10)
+    top_k: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     ignore_eos: bool = False
 
 
@@ -217,11 +218,12 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[
 
 
 def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig, max_batch_size: int = 32,
-              generation_defaults: dict | None = None, prefix_cache_bytes: int = 0,
+              generation_defaults: GenerationConfig | dict | None = None, prefix_cache_bytes: int = 0,
               max_prefill_tokens: int | None = None) -> FastAPI:
     engine = AsyncEngine(Engine(model, tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes,
                                 max_prefill_tokens=max_prefill_tokens), max_waiting=cfg.max_waiting)
-    defaults = generation_defaults or {}
+    defaults = generation_defaults if isinstance(generation_defaults, GenerationConfig) else \
+        GenerationConfig.from_dict(generation_defaults or {})
     ctx = model.config.max_position_embeddings
     errors: dict[int, int] = {}
     @contextlib.asynccontextmanager
@@ -300,16 +302,12 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_new}) exceeds the context "
                                 f"limit of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
         max_new = max_new or min(cfg.default_max_tokens, room)
-        params = SamplingParams(
-            max_new_tokens=max_new, temperature=req.temperature if req.temperature is not None else
-            float(defaults.get("temperature", 0.0)), top_p=req.top_p or 1.0, top_k=req.top_k, seed=req.seed,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, stop=stop, ignore_eos=req.ignore_eos,
-            algorithm=req.algorithm or str(defaults.get("algorithm", "low_confidence")),
-            block_size=req.block_size or defaults.get("block_size"),
-            threshold=req.threshold if req.threshold is not None else float(defaults.get("threshold", 0.95)),
-            max_accept_per_step=req.max_accept_per_step,
-        )
+        decoding = defaults.merged(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            algorithm=req.algorithm, block_size=req.block_size, threshold=req.threshold)
+        params = SamplingParams(**decoding, max_new_tokens=max_new, seed=req.seed, stop=stop,
+                                ignore_eos=req.ignore_eos, max_accept_per_step=req.max_accept_per_step)
         try:
             params.validate(model.config.vocab_size)
         except ValueError as exc:
@@ -688,7 +686,7 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     app = build_app(loaded.model, loaded.tokenizer, ServerConfig(name, api_key, max_waiting), max_batch_size,
-                    loaded.defaults, prefix_cache_bytes, max_prefill_tokens)
+                    loaded.generation, prefix_cache_bytes, max_prefill_tokens)
     print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
           f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)

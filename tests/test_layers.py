@@ -85,3 +85,22 @@ def test_no_import_circle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def test_decoding_defaults_are_written_only_in_generation_config():
+    """The threshold and the default algorithm as literals appear in `config.GenerationConfig` alone;
+    everything else reads them from it (issue 12: one source for every setting). Threshold sweeps
+    (`thresholds`, a grid of values to measure) and AdamW's betas are not decoding defaults."""
+    import re
+
+    root = PACKAGE.parent
+    literal = re.compile(r"""(?<![\w.])0\.95(?![\d])|=\s*["']low_confidence["']|["']low_confidence["']\s*\)""")
+    offenders = []
+    for path in [*PACKAGE.glob("*.py"), *(root / "benchmarks").glob("*.py")]:
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            code = line.split("#")[0]
+            if literal.search(code) and not any(w in code for w in ("betas", "thresholds")):
+                offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    allowed = {"clover/config.py"}
+    assert [o for o in offenders if o.split(":")[0] not in allowed] == []
+    assert any(o.startswith("clover/config.py") for o in offenders)  # the one place (the pattern still matches)
