@@ -41,6 +41,10 @@ MAX_N = 8
 MAX_STOP_CHARS = 1024
 
 
+class _ClientGone(Exception):
+    """The client of a non-streamed request hung up; its generation was stopped."""
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
@@ -249,6 +253,11 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             errors[response.status_code] = errors.get(response.status_code, 0) + 1
         return response
 
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(request: Request, exc: _ClientGone) -> JSONResponse:
+        # nobody reads this answer; the status (nginx's "client closed request") shows in the error counts
+        return _error(499, "the client closed the request", code="client_closed_request")
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
@@ -330,8 +339,11 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe, "tpf": completion / nfe if nfe else 0.0,
                 "blocks": sum(c.result.stats.blocks for c in choices if c.result)}
 
-    async def _merged(ids: list[int], params: list[SamplingParams]) -> AsyncIterator[tuple[int, Any]]:
-        """Events of n sequences of one request, tagged with their choice index, in arrival order."""
+    async def _merged(ids: list[int], params: list[SamplingParams], request: Request | None = None
+                      ) -> AsyncIterator[tuple[int, Any]]:
+        """Events of n sequences of one request, tagged with their choice index, in arrival order. With
+        `request` (a reply sent whole), a client that hangs up ends the generation: its sequences are
+        aborted (a stream is cancelled by the server itself when its client leaves)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, p: SamplingParams) -> None:
@@ -344,10 +356,20 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params)]
+        # the body is read: the next message from the client's side is its disconnect
+        watch = asyncio.ensure_future(request.receive()) if request is not None else None
         try:
             open_ = len(tasks)
             while open_:
-                i, item = await queue.get()
+                get = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({get, watch} - {None}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    if watch.result().get("type") == "http.disconnect":
+                        raise _ClientGone()
+                    watch = None  # an unexpected message: stop watching rather than spin
+                    continue
+                i, item = get.result()
                 if item is None:
                     open_ -= 1
                     continue
@@ -357,6 +379,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         finally:
             for t in tasks:
                 t.cancel()
+            if watch is not None:
+                watch.cancel()
 
     def _n_params(params: SamplingParams, n: int) -> list[SamplingParams]:
         if n == 1:
@@ -436,11 +460,13 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         for c in choices:
             c.parser.feed(prefix)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        events = _merged(ids, params)
+        events = _merged(ids, params, None if req.stream else request)
         try:
             first = await events.__anext__()
         except StopAsyncIteration:
             first = None
+        except _ClientGone:
+            raise
         except BaseException as exc:
             raise _start_error(exc) from exc
 
@@ -540,9 +566,11 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         params = _n_params(_params(req, req.max_tokens, len(ids), _stops(req.stop)), req.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [_Choice(i, None) for i in range(req.n)]
-        events = _merged(ids, params)
+        events = _merged(ids, params, None if req.stream else request)
         try:
             first = await events.__anext__()
+        except _ClientGone:
+            raise
         except BaseException as exc:
             raise _start_error(exc) from exc
 

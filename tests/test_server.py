@@ -206,6 +206,26 @@ def test_a_disconnected_stream_releases_its_capacity(server):
     assert time.time() - t0 < 10
 
 
+def test_a_client_that_hangs_up_before_a_whole_reply_stops_its_generation(server):
+    url, client = server
+    before = httpx.get(url + "/metrics").text
+    count = lambda text: next(float(x.split()[1]) for x in text.splitlines()  # noqa: E731
+                              if x.startswith("clover_requests_aborted_total "))
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}], **THINK_OFF}),
+                       ("/v1/completions", {"prompt": "go"})):
+        with pytest.raises(httpx.TimeoutException):   # not streamed: the client gives up waiting
+            httpx.post(url + path, json={"model": "debug", "max_tokens": 900, "ignore_eos": True, "threshold": 1.0,
+                                         **body}, timeout=0.5)
+        deadline = time.time() + 10
+        while time.time() < deadline and httpx.get(url + "/health").json()["running"]:
+            time.sleep(0.05)
+        assert httpx.get(url + "/health").json()["running"] == 0
+    assert count(httpx.get(url + "/metrics").text) >= count(before) + 2
+    t0 = time.time()
+    client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+    assert time.time() - t0 < 10
+
+
 def test_metrics_are_prometheus_text(server):
     url, _ = server
     text = httpx.get(url + "/metrics").text
