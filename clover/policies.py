@@ -313,9 +313,7 @@ class VerifyPolicy(_Blocks):
         probs = None if s.draft_probs is None else s.draft_probs[j:end]
         tokens, kept = verify_drafts(preds[:m], s.drafts[j:end], probs, s.params, s.counts, s.generator)
         if kept == m and end < len(s.block):                   # every draft kept: the causal head goes on
-            bonus = token_distribution(preds[m: m + 1], s.params, s.counts) if not s.params.greedy else None
-            t = int(sample_from(bonus, s.generator)[0]) if bonus is not None else \
-                int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])
+            t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])  # as `ar` picks
             tokens.append(t)
             s.counts[t] += 1
         s.step += 1
