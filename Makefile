@@ -15,11 +15,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-# The demo: the shipped model (clover/models/clover-tiny) checks its own invariants, answers a chat
+# The demo: the shipped model (clover/weights/clover-tiny) checks its own invariants, answers a chat
 # turn that offers tools (examples/tools.json) with the denoising steps shown, and continues code with
 # block diffusion and with lossless verify decoding (the same text as ar). Fixed prompts, greedy.
 demo: setup
-	$(BIN)/clover check clover/models/clover-tiny --dtype float32
+	$(BIN)/clover check clover/weights/clover-tiny --dtype float32
 	$(BIN)/clover generate --chat 'What is the weather in Oslo?' --tools examples/tools.json --no-think \
 	  --max-new-tokens 64 --show-steps
 	$(BIN)/clover generate 'def fibonacci(n):' --max-new-tokens 64 --show-steps

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from clover.checkpoint import load_checkpoint
-from clover.config import CloverConfig
-from clover.engine import Engine
-from clover.model import CloverForCausalLM
-from clover.sampling import SamplingParams
+from clover.engine.engine import Engine
+from clover.engine.sampling import SamplingParams
+from clover.model.checkpoint import load_checkpoint
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
 
 
 def conversation(engine: Engine, messages: list[list[int]], params: SamplingParams) -> list[dict]:

@@ -24,15 +24,15 @@ import time
 
 import torch
 
-from clover import synthetic
-from clover.checkpoint import CheckpointError, default_model_dir, load_checkpoint
-from clover.config import CloverConfig
-from clover.engine import Engine
-from clover.model import CloverForCausalLM
-from clover.policies import VerifyPolicy
-from clover.sampling import SamplingParams
-from clover.testing import transformers_twin
-from clover.tokenizer import Tokenizer
+from clover.engine.engine import Engine
+from clover.engine.policies import VerifyPolicy
+from clover.engine.sampling import SamplingParams
+from clover.model.checkpoint import CheckpointError, default_model_dir, load_checkpoint
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
+from clover.model.testing import transformers_twin
+from clover.model.tokenizer import Tokenizer
+from clover.training import synthetic
 
 CODE = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
         "def read_lines(path):\n    with open(path) as f:\n", "for i in range(10):\n",

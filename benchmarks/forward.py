@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from clover.config import CloverConfig
-from clover.model import CloverForCausalLM
-from clover.testing import transformers_twin
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
+from clover.model.testing import transformers_twin
 
 
 def _median_time(fn, repeats: int) -> float:

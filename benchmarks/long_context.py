@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from clover.config import CloverConfig
-from clover.engine import Engine
-from clover.model import CloverForCausalLM
-from clover.sampling import SamplingParams
+from clover.engine.engine import Engine
+from clover.engine.sampling import SamplingParams
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
 
 
 def decode_speed(model: CloverForCausalLM, prompt: list[int], params: SamplingParams, chunk: int) -> dict:

@@ -1,8 +1,8 @@
 """Serving throughput of `clover serve` under concurrent load, against one-at-a-time serving.
 
-Starts the server (a subprocess on a free local port), then for each concurrency sends the same
-set of chat requests (fixed prompts, fixed output length: end-of-sequence ignored) from that many
-client threads, after one warm-up request. Reports requests/s and output tokens/s per
+Starts the server (a subprocess on a free local port), then for each concurrency runs the serving
+benchmark of `clover bench serve` (`clover.evaluation.bench`: streamed chat requests, fixed prompts,
+fixed output length with end-of-sequence ignored, one warm-up request) at that concurrency. Reports requests/s and output tokens/s per
 concurrency and the ratio to concurrency 1 (sequential serving), measured in the same run.
 Prints its conditions, a table, and one JSON line last.
 
@@ -19,10 +19,11 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
+
+from clover.evaluation.bench import run_bench, summarise
 
 
 def _port() -> int:
@@ -41,7 +42,7 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, help="(default: the server's)")
     args = parser.parse_args()
     port = _port()
-    cmd = [sys.executable, "-m", "clover.cli", "serve", "--port", str(port), "--max-batch-size", "32"]
+    cmd = [sys.executable, "-m", "clover", "serve", "--port", str(port), "--max-batch-size", "32"]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -53,29 +54,24 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         subjects = ["a stack", "a queue", "binary search", "a linked list", "merge sort", "a hash map", "a heap",
                     "a trie"]
         prompts = [f"Write a Python function for {subjects[i % len(subjects)]} (variant {i})."
-                   for i in range(args.requests)]
-
-        def request(prompt: str) -> int:
-            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
-                    "ignore_eos": True, "algorithm": args.algorithm, "threshold": args.threshold,
-                    "chat_template_kwargs": {"enable_thinking": False}}
-            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
-            r.raise_for_status()
-            return r.json()["usage"]["completion_tokens"]
-
-        request(prompts[0])  # warm-up
+                   for i in range(args.requests + 1)]   # the first is the warm-up request
+        extra = {"ignore_eos": True, "algorithm": args.algorithm, "threshold": args.threshold,
+                 "chat_template_kwargs": {"enable_thinking": False}}
+        extra = {k: v for k, v in extra.items() if v is not None}
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         rows = []
         for conc in map(int, args.concurrency.split(",")):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=conc) as pool:
-                tokens = sum(pool.map(request, prompts))
-            wall = time.perf_counter() - t0
-            rows.append({"concurrency": conc, "requests": args.requests, "wall_s": wall,
-                         "requests_per_s": args.requests / wall, "output_tokens_per_s": tokens / wall})
+            # the serving benchmark of `clover bench serve`, one concurrency at a time
+            out = run_bench(url + "/v1", model, prompts, args.max_tokens, conc, None, 1, None, extra, 0)
+            s = summarise(out["records"], out["wall_s"], None, None)
+            if s["failed"]:
+                raise SystemExit(f"{s['failed']} requests failed at concurrency {conc}: {s['errors']}")
+            rows.append({"concurrency": conc, "requests": args.requests, "wall_s": s["wall_s"],
+                         "requests_per_s": s["request_throughput"], "output_tokens_per_s": s["output_token_throughput"],
+                         "ttft_median_s": s["ttft_s"]["median"], "tpot_median_s": s["tpot_s"]["median"]})
         base = rows[0]["output_tokens_per_s"]
         for r in rows:
             r["throughput_vs_sequential"] = r["output_tokens_per_s"] / base
@@ -87,10 +83,10 @@ def main() -> None:
                   "max_tokens": args.max_tokens, "algorithm": args.algorithm, "threshold": args.threshold,
                   "ignore_eos": True, "max_batch_size": 32}
     print("conditions:", json.dumps(conditions))
-    print(f"{'concurrency':>11} {'req/s':>8} {'out tok/s':>10} {'vs sequential':>14}")
+    print(f"{'concurrency':>11} {'req/s':>8} {'out tok/s':>10} {'vs sequential':>14} {'TTFT p50':>9} {'TPOT p50':>9}")
     for r in rows:
         print(f"{r['concurrency']:>11} {r['requests_per_s']:8.2f} {r['output_tokens_per_s']:10.1f} "
-              f"{r['throughput_vs_sequential']:13.2f}x")
+              f"{r['throughput_vs_sequential']:13.2f}x {r['ttft_median_s']:8.3f}s {r['tpot_median_s']:8.4f}s")
     print(json.dumps({"benchmark": "serve", "conditions": conditions, "results": rows}))
 
 

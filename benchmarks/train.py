@@ -23,9 +23,9 @@ from contextlib import nullcontext
 
 import torch
 
-from clover.config import CloverConfig
-from clover.model import CloverForCausalLM
-from clover.objectives import ObjectiveConfig, compute_loss, sample_noise
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
+from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
 
 # Shapes of the sweep (issue 10): overrides of the `tiny` preset.
 SHAPES: dict[str, dict] = {

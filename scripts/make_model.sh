@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 DATA=${DATA:-data}
 RUNS=${RUNS:-runs/recipe}
-OUT=${OUT:-clover/models/clover-tiny}
+OUT=${OUT:-clover/weights/clover-tiny}
 AR_STEPS=${AR_STEPS:-1800}
 DIFF_STEPS=${DIFF_STEPS:-550}
 SFT_STEPS=${SFT_STEPS:-500}
@@ -64,8 +64,8 @@ train "$RUNS/distill" --data "$RUNS/distill-data" --init "$RUNS/sft/model" --obj
 stage "release to $OUT (bfloat16)"
 "$BIN/python" - "$RUNS/distill/model" "$OUT" <<'PY'
 import sys
-from clover.checkpoint import load_checkpoint, save_checkpoint
-from clover.tokenizer import Tokenizer
+from clover.model.checkpoint import load_checkpoint, save_checkpoint
+from clover.model.tokenizer import Tokenizer
 src, dst = sys.argv[1:]
 save_checkpoint(load_checkpoint(src), dst, dtype="bfloat16", extra_files=Tokenizer.load(src).files())
 PY

@@ -34,6 +34,12 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+# The card's YAML header, as hub tooling reads it (trained from scratch: no base model).
+FRONT_MATTER = ["---", "license: apache-2.0", "library_name: transformers", "pipeline_tag: text-generation",
+                "tags:", "- clover", "- block-diffusion", "- diffusion-language-model", "- mixture-of-experts",
+                "- gated-deltanet", "- qwen3_5_moe", "- custom_code", "---"]
+
+
 def main() -> None:
     runs, model_dir = Path(sys.argv[1]), Path(sys.argv[2])
     load = lambda name: json.loads((runs / name).read_text()) if (runs / name).is_file() else None  # noqa: E731
@@ -45,6 +51,7 @@ def main() -> None:
     parent_match = load("eval_match_ar_parent.json")
     config = json.loads((model_dir / "config.json").read_text())
     lines = [
+        *FRONT_MATTER, "",
         "# clover-tiny", "",
         "The model that ships with Clover: a block-diffusion mixture-of-experts language model with the",
         "Qwen3.5-MoE hybrid architecture (Gated DeltaNet + gated attention), trained on a 2-core CPU by",
@@ -81,7 +88,7 @@ def main() -> None:
     lines += ["", "## Measured", ""]
     if bpb_ar:
         lines += ["Held-out bits per byte (`clover eval bpb --model runs/recipe/ar/model --data data` for the AR "
-                  "parent, the same with `--model clover/models/clover-tiny` for the release; test split, "
+                  "parent, the same with `--model clover/weights/clover-tiny` for the release; test split, "
                   "windows of 512 tokens):", "",
                   "| text | bytes | AR parent | released model (AR head) | gzip -9 | xz -9 | AR parent vs xz |",
                   "|---|---|---|---|---|---|---|"]

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from clover.config import CloverConfig
-from clover.model import CloverForCausalLM
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
 
 
 @pytest.fixture(autouse=True)

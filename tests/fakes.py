@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from clover.cache import PrefixCache
-from clover.config import CloverConfig
+from clover.model.cache import PrefixCache
+from clover.model.config import CloverConfig
 
 
 def row_list(rows) -> list[int]:

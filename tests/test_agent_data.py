@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from clover import agent_data as A
-from clover import synthetic
-from clover.agent_suites import suite_tasks
-from clover.data import TokenData, chat_example
-from clover.tokenizer import Tokenizer
+from clover.evaluation.suites import suite_tasks
+from clover.model.tokenizer import Tokenizer
+from clover.training import agent_data as A
+from clover.training import synthetic
+from clover.training.data import TokenData, chat_example
 
 
 def _replay(task):

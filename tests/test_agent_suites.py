@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from clover import agent_suites as S
-from clover.sandbox import Limits, run_command, run_python
+from clover.evaluation import suites as S
+from clover.evaluation.sandbox import Limits, run_command, run_python
+from clover.training import synthetic
 
 
 def _alive(pid):
@@ -166,13 +167,15 @@ def test_faulty_calculator_misleads_once():
 
 
 def test_unknown_suite_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown suite 'cooking'; choose from tools, memory, heldout, coding, humaneval"):
+    with pytest.raises(ValueError, match="unknown suite 'cooking'; choose from synthetic, tools, memory, heldout, coding, humaneval"):
         S.suite_tasks("cooking", 1)
 
 
 def test_default_suite_sizes_cover_every_family_equally():
     sizes = {s: S.suite_tasks(s) for s in S.SUITES}
-    assert {s: len(t) for s, t in sizes.items()} == {"tools": 12, "memory": 12, "heldout": 12, "coding": 8, "humaneval": 164}
+    assert {s: len(t) for s, t in sizes.items()} == {"synthetic": 100, "tools": 12, "memory": 12, "heldout": 12,
+                                                     "coding": 8, "humaneval": 164}
+    assert sorted(t.id.split("-")[1] for t in sizes["synthetic"]) == sorted(list(synthetic.FAMILIES) * 20)
     assert all(len({t.id for t in ts}) == len(ts) for ts in sizes.values())
     assert sorted(t.id.split("-")[1] for t in sizes["coding"]) == sorted(list(S.CODING_FAMILIES) * 2)
     assert sorted(t.id.split("-")[1] for t in sizes["memory"]) == ["2"] * 4 + ["32"] * 4 + ["8"] * 4

@@ -2,21 +2,22 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import perturbed_model
 from safetensors.torch import load_file, save_file
 
-from clover.checkpoint import (
+from clover.cli.commands import main as cli_main
+from clover.model.checkpoint import (
     CheckpointError,
     load_checkpoint,
     sanitize_transformers,
     save_checkpoint,
 )
-from clover.cli import main as cli_main
-from clover.config import CloverConfig, ConfigError
-from clover.testing import assert_close
+from clover.model.config import CloverConfig, ConfigError
+from clover.model.testing import assert_close
 
 
 def _logits(model, ids):
@@ -165,7 +166,7 @@ def test_corrupted_or_incomplete_checkpoint_fails_with_named_error(tmp_path, deb
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, debug_model, monkeypatch):
     save_checkpoint(debug_model, tmp_path / "ck")
     before = (tmp_path / "ck" / "model.safetensors").read_bytes()
-    import clover.checkpoint as ckpt
+    import clover.model.checkpoint as ckpt
 
     def dying_write(*args, **kwargs):
         raise KeyboardInterrupt  # the process is killed while writing weights
@@ -236,3 +237,48 @@ def test_saved_checkpoints_follow_the_umask_not_the_temp_dir_mode(tmp_path, debu
     os.umask(umask)
     assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o777 & ~umask
     assert (tmp_path / "ck" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+# -- transformers loads Clover checkpoints -----------------------------------------------------------------------
+
+SHIPPED = Path(__file__).resolve().parents[1] / "clover" / "weights" / "clover-tiny"
+
+
+def _hf_logits(directory, ids, **kw):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **kw).eval()
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+def test_transformers_loads_the_shipped_checkpoint_with_its_remote_code():
+    """config.json's architectures and auto_map name the two remote-code files shipped with the weights;
+    transformers' causal logits equal Clover's causal mode on the same (bf16-stored) weights."""
+    model = load_checkpoint(SHIPPED, dtype="float32")
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    expected = _logits(model, ids)
+    assert_close(_hf_logits(SHIPPED, ids, trust_remote_code=True), expected, atol=1e-4, what="shipped via transformers")
+    assert expected.abs().max() > 1.0
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.from_pretrained(str(SHIPPED), trust_remote_code=True)
+    assert (config.model_type, config.block_size, config.mask_token_id) == ("clover_moe", 32, model.config.mask_token_id)
+
+
+def test_transformers_loads_a_converted_checkpoint_and_an_exported_causal_one(tmp_path, debug_config):
+    """transformers -> `clover convert` -> transformers (remote code) keeps the logits; `clover export --causal`
+    writes a plain Qwen3_5MoeForCausalLM checkpoint (no remote code, no extension tensors) with the same logits."""
+    ref = _transformers_checkpoint(tmp_path, debug_config)
+    assert cli_main(["convert", str(tmp_path / "hf"), str(tmp_path / "converted")]) == 0
+    ids = torch.randint(0, 500, (2, 21))
+    clover_logits = _logits(load_checkpoint(tmp_path / "converted"), ids)
+    with torch.no_grad():
+        assert_close(clover_logits, ref(ids).logits, atol=1e-4, what="converted")
+    assert_close(_hf_logits(tmp_path / "converted", ids, trust_remote_code=True), clover_logits, atol=1e-4,
+                 what="converted via transformers")
+    assert cli_main(["export", str(tmp_path / "converted"), str(tmp_path / "plain"), "--causal"]) == 0
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe_text" and "auto_map" not in config and "block_size" not in config
+    assert not list((tmp_path / "plain").glob("*.py"))
+    names = load_file(tmp_path / "plain" / "model.safetensors").keys()
+    assert not [n for n in names if n.rsplit(".", 1)[-1] in ("conv_right", "preview_log_scale", "history_bias")]
+    assert_close(_hf_logits(tmp_path / "plain", ids), clover_logits, atol=1e-4, what="exported causal")

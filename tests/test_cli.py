@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from clover.cli import main as cli_main
-from clover.model import CloverForCausalLM
+from clover.cli.commands import main as cli_main
+from clover.model.modeling import CloverForCausalLM
 
 
 def test_init_info_check(tmp_path, capsys):
@@ -35,9 +35,9 @@ def test_check_fails_when_preview_breaks_the_invariant(tmp_path, capsys, monkeyp
 
 
 def test_console_script_help_and_bad_preset():
-    out = subprocess.run([sys.executable, "-m", "clover.cli", "convert", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "clover", "convert", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "example: clover convert" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "clover.cli", "init", "/tmp/x", "--preset", "huge"],
+    out = subprocess.run([sys.executable, "-m", "clover", "init", "/tmp/x", "--preset", "huge"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "invalid choice: 'huge'" in out.stderr
 
@@ -57,7 +57,7 @@ def text_model(tmp_path_factory):
 
 
 def _run(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "clover.cli", *args], capture_output=True, text=True, input=stdin,
+    return subprocess.run([sys.executable, "-m", "clover", *args], capture_output=True, text=True, input=stdin,
                           timeout=120)
 
 
@@ -90,7 +90,7 @@ def test_generate_reads_stdin_and_files_and_writes_a_trace(text_model, tmp_path)
 @pytest.mark.parametrize("args,message", [
     (["generate", ""], "prompt is empty"),
     (["generate", "hi", "--max-new-tokens", "-3"], "max_new_tokens must be a positive integer"),
-    (["generate", "hi", "--temperature", "-1"], "temperature must be between 0 and 100"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be between 0 and 2"),
     (["generate", "hi", "--threshold", "2"], "threshold must be between 0 and 1"),
     (["generate", "hi", "--max-new-tokens", "5000"], "exceeds the context limit"),
     (["generate", "word " * 1100], "exceeds the context limit"),

@@ -3,9 +3,9 @@
 import pytest
 from fakes import CharTokenizer, ScriptedModel
 
-from clover.config import CloverConfig
-from clover.engine import Engine
-from clover.sampling import SamplingParams
+from clover.engine.engine import Engine
+from clover.engine.sampling import SamplingParams
+from clover.model.config import CloverConfig
 
 GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True, record_steps=True)
 
@@ -156,9 +156,9 @@ def test_incremental_text_equals_a_full_decode_at_every_split():
     import random
     from pathlib import Path
 
-    from clover.tokenizer import Tokenizer
+    from clover.model.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(Path(__file__).resolve().parents[1] / "clover" / "models" / "clover-tiny")
+    tok = Tokenizer.load(Path(__file__).resolve().parents[1] / "clover" / "weights" / "clover-tiny")
     text = "naïve café — 東京 ☃ emoji 🙂🙂 done\n" * 3
     ids = tok.encode(text)
     assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # some tokens end inside a character

@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import perturbed_model
 
-from clover.config import CloverConfig
-from clover.engine import Engine
-from clover.sampling import SamplingParams
+from clover.engine.engine import Engine
+from clover.engine.sampling import SamplingParams
+from clover.model.config import CloverConfig
 
 PROMPTS = [[3, 1, 4], list(range(20, 31)), list(range(100, 117)), [7] * 8]
 
@@ -112,16 +112,16 @@ def test_degenerate_sampling_values_decode_instead_of_failing(sharp_model):
 
 
 def test_a_failing_request_ends_alone_and_the_batch_goes_on(sharp_model, monkeypatch):
-    import clover.policies
+    import clover.engine.policies
 
-    real = clover.policies.pick_tokens
+    real = clover.engine.policies.pick_tokens
 
     def poisoned(logits, params, counts, generator):  # fails inside every policy's own code, for seed 666
         if params.seed == 666 and counts.sum() >= 2:
             raise RuntimeError("poisoned")
         return real(logits, params, counts, generator)
 
-    monkeypatch.setattr(clover.policies, "pick_tokens", poisoned)
+    monkeypatch.setattr(clover.engine.policies, "pick_tokens", poisoned)
     algs = ["ar", "verify", "low_confidence", "verify", "ar", "low_confidence", "verify", "ar"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     for bad in (0, 1, 2):  # the poisoned request decodes with ar, verify, low_confidence

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from clover.gdn import (
+from clover.model.gdn import (
     block_preview,
     block_preview_reference,
     causal_conv,
@@ -16,7 +16,7 @@ from clover.gdn import (
     preview_conv_reference,
     right_conv,
 )
-from clover.testing import assert_close
+from clover.model.testing import assert_close
 
 CHUNK = 8
 

@@ -2,45 +2,47 @@
 (0%, with the right termination reasons), endpoints side by side, and a killed-then-resumed run that
 matches an uninterrupted one."""
 
+import contextlib
 import json
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from clover import agent_suites, harness
-from clover.cli import main as cli_main
+from clover.cli.commands import main as cli_main
+from clover.evaluation import harness
+from clover.evaluation import suites as agent_suites
+from clover.serving.local import serve_in_thread
+from clover.training import synthetic
 
 SUITES = ("tools", "memory", "coding", "humaneval")
-TASKS = {}  # the prompt of every task the tests use -> the task (each prompt must name one task)
-for _suite in SUITES:
-    for _ht in agent_suites.suite_tasks(_suite, 4):
-        _key = json.dumps([m["content"] for m in _ht.prompt])
-        assert _key not in TASKS, f"two tasks share a prompt: {_ht.id}"
-        TASKS[_key] = _ht
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _task_table(suites):
+    """The prompt of every task of `suites` the tests use -> the task (each prompt must name one task)."""
+    table = {}
+    for suite in suites:
+        for ht in agent_suites.suite_tasks(suite, 4):
+            key = json.dumps([m["content"] for m in ht.prompt])
+            assert key not in table, f"two tasks share a prompt: {ht.id}"
+            table[key] = ht
+    return table
 
 
-def _reference(messages):
+TASKS = _task_table(SUITES)
+
+
+def _reference(messages, tasks):
     """The task whose prompt these messages start with, and the next reference assistant turn (the
     oracle replays the reference actions whatever the tools answered)."""
     for n in (1, 2):
-        ht = TASKS.get(json.dumps([m["content"] for m in messages[:n]]))
+        ht = tasks.get(json.dumps([m["content"] for m in messages[:n]]))
         if ht is not None and len(ht.prompt) == n:
             return ht, ht.reference[sum(m["role"] == "assistant" for m in messages)]
     raise AssertionError("unknown task")
 
 
-def scripted_app(mode):
+def scripted_app(mode, tasks=TASKS):
     app = FastAPI()
     calls = {"n": 0}
 
@@ -52,7 +54,7 @@ def scripted_app(mode):
             return JSONResponse({"error": {"message": "bad", "type": "x", "param": None, "code": None}}, 400)
         if mode == "down":
             return JSONResponse({"error": {"message": "down", "type": "x", "param": None, "code": None}}, 503)
-        ht, turn = _reference(body["messages"])
+        ht, turn = _reference(body["messages"], tasks)
         content = turn.get("content") or ""
         calls_out = [dict(c, id=f"c{i}") for i, c in enumerate(turn.get("tool_calls") or [])]
         if mode == "wrong":  # answers at once, without acting
@@ -80,22 +82,12 @@ def scripted_app(mode):
 
 @pytest.fixture
 def endpoint():
-    servers = []
+    with contextlib.ExitStack() as servers:
+        def start(mode, tasks=TASKS):
+            app, calls = scripted_app(mode, tasks)
+            return servers.enter_context(serve_in_thread(app)) + "/v1", calls
 
-    def start(mode):
-        app, calls = scripted_app(mode)
-        port = _port()
-        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        threading.Thread(target=srv.run, daemon=True).start()
-        servers.append(srv)
-        deadline = time.time() + 20
-        while not srv.started and time.time() < deadline:
-            time.sleep(0.05)
-        return f"http://127.0.0.1:{port}/v1", calls
-
-    yield start
-    for s in servers:
-        s.should_exit = True
+        yield start
 
 
 def _cfg(url, suites=SUITES, **kw):
@@ -220,3 +212,27 @@ def test_eval_agent_bad_arguments_are_one_line_errors(args, message, tmp_path, c
     assert cli_main(["eval", "agent", *args, "--out", str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not (tmp_path / "r").exists()
+
+
+def test_oracle_solves_the_synthetic_suite_of_the_model_card(endpoint, tmp_path):
+    url, _ = endpoint("oracle", _task_table(["synthetic"]))
+    summary = harness.run_harness(_cfg(url, suites=("synthetic",)), tmp_path / "run")
+    assert all(c["success_mean"] == 1.0 and c["malformed"] == 0 for c in summary.values())
+    results = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert {r["task"].split("-")[1] for r in results} == {"arith", "calc", "notes", "files"}
+
+
+def test_eval_tasks_runs_the_harness_against_the_model_served_in_process(tmp_path):
+    """`clover eval tasks`: one agent loop (the harness's) over HTTP to the checkpoint served in process;
+    an untrained model fails the tasks, and every task ends with one of the harness's reasons."""
+    model = tmp_path / "m"
+    assert cli_main(["init", str(model), "--preset", "debug", "--seed", "1"]) == 0
+    out = tmp_path / "tasks.json"
+    assert cli_main(["eval", "tasks", "--model", str(model), "--count", "5", "--thinking", "off", "--max-tokens", "8",
+                     "--step-limit", "2", "--algorithm", "ar", "--out", str(out)]) == 0
+    [run] = json.loads(out.read_text())["runs"]
+    assert run["tasks"] == 5 and run["thinking"] is False and run["algorithm"] == "ar"
+    assert sum(run["reasons"].values()) == 5 and set(run["reasons"]) <= set(harness.REASONS)
+    assert run["success_rate"] == 0 and set(run["by_family"]) == set(synthetic.FAMILIES)
+    results = (tmp_path / "tasks.json.runs" / "thinking-off" / "results.jsonl").read_text().splitlines()
+    assert [json.loads(r)["params"] for r in results] == [{"algorithm": "ar"}] * 5

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import perturbed_model
 
-from clover.config import CloverConfig
-from clover.testing import assert_close
+from clover.model.config import CloverConfig
+from clover.model.testing import assert_close
 
 ATOL = 2e-5  # fp32 through a few layers; observed errors are ~3e-7
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from clover.moe import SparseMoE, experts_grouped, experts_reference, load_balancing_loss, route
-from clover.testing import assert_close
+from clover.model.moe import SparseMoE, experts_grouped, experts_reference, load_balancing_loss, route
+from clover.model.testing import assert_close
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (37, 8, 2), (64, 16, 4), (5, 32, 8)])

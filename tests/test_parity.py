@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from clover.config import CloverConfig
-from clover.model import CloverForCausalLM
-from clover.testing import assert_close, transformers_config
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
+from clover.model.testing import assert_close, transformers_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,8 +75,8 @@ def test_cached_decode_equals_transformers_cached_decode(name):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_ar_decoding_equals_transformers_generate(name):
-    from clover.engine import Engine
-    from clover.sampling import SamplingParams
+    from clover.engine.engine import Engine
+    from clover.engine.sampling import SamplingParams
 
     config = CONFIGS[name]
     ref = reference_model(config)

@@ -4,10 +4,10 @@ import pytest
 import torch
 from conftest import perturbed_model
 
-from clover.config import CloverConfig
-from clover.engine import Engine
-from clover.prefix_cache import block_keys
-from clover.sampling import SamplingParams
+from clover.engine.engine import Engine
+from clover.engine.prefix_cache import block_keys
+from clover.engine.sampling import SamplingParams
+from clover.model.config import CloverConfig
 
 ALGORITHMS = ("ar", "low_confidence", "verify")
 

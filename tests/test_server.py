@@ -13,10 +13,11 @@ import openai
 import pytest
 from fakes import TextScriptModel
 
-from clover.cli import main as cli_main
-from clover.config import CloverConfig
-from clover.server import ServerConfig, build_app
-from clover.tokenizer import Tokenizer
+from clover.cli.commands import main as cli_main
+from clover.model.config import CloverConfig
+from clover.model.tokenizer import Tokenizer
+from clover.serving.app import ServerConfig, build_app
+from clover.serving.local import serve_in_thread
 
 THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 
@@ -45,7 +46,7 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("srv") / "m"
     assert cli_main(["init", str(d), "--preset", "debug", "--seed", "3"]) == 0
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "clover.cli", "serve", "--model", str(d), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "clover", "serve", "--model", str(d), "--port", str(port),
                              "--served-model-name", "debug", "--max-batch-size", "16", "--max-queue", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -198,9 +199,7 @@ def test_a_disconnected_stream_releases_its_capacity(server):
     while time.time() < deadline and httpx.get(url + "/health").json()["running"]:
         time.sleep(0.05)
     assert httpx.get(url + "/health").json()["running"] == 0
-    metrics = httpx.get(url + "/metrics").text
-    aborted = next(float(x.split()[1]) for x in metrics.splitlines() if x.startswith("clover_requests_aborted_total "))
-    assert aborted >= 1
+    assert _metric(url, "clover_requests_aborted_total") >= 1
     t0 = time.time()
     client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "x"}], max_tokens=4)
     assert time.time() - t0 < 10
@@ -208,9 +207,7 @@ def test_a_disconnected_stream_releases_its_capacity(server):
 
 def test_a_client_that_hangs_up_before_a_whole_reply_stops_its_generation(server):
     url, client = server
-    before = httpx.get(url + "/metrics").text
-    count = lambda text: next(float(x.split()[1]) for x in text.splitlines()  # noqa: E731
-                              if x.startswith("clover_requests_aborted_total "))
+    before = _metric(url, "clover_requests_aborted_total")
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}], **THINK_OFF}),
                        ("/v1/completions", {"prompt": "go"})):
         with pytest.raises(httpx.TimeoutException):   # not streamed: the client gives up waiting
@@ -220,20 +217,60 @@ def test_a_client_that_hangs_up_before_a_whole_reply_stops_its_generation(server
         while time.time() < deadline and httpx.get(url + "/health").json()["running"]:
             time.sleep(0.05)
         assert httpx.get(url + "/health").json()["running"] == 0
-    assert count(httpx.get(url + "/metrics").text) >= count(before) + 2
+    assert _metric(url, "clover_requests_aborted_total") >= before + 2
     t0 = time.time()
     client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "x"}], max_tokens=4)
     assert time.time() - t0 < 10
 
 
-def test_metrics_are_prometheus_text(server):
-    url, _ = server
-    text = httpx.get(url + "/metrics").text
-    for name in ("clover_requests_total", "clover_generation_tokens_total", "clover_nfe_total", "clover_queue_depth",
-                 'clover_request_latency_seconds_bucket{le="+Inf"}', "clover_request_tpf_count",
-                 'clover_http_errors_total{status="400"}', "clover_prefix_cache_hits_total",
-                 "clover_prefix_cache_tokens_reused_total", "clover_prefix_cache_bytes"):
-        assert name in text
+def _metrics(url):
+    """{(sample name, labels without model_name): value}; every sample carries model_name="debug"."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            labels = dict(s.labels)
+            assert labels.pop("model_name", None) == "debug", s
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
+
+
+def _metric(url, name, **labels):
+    return _metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_use_vllms_names_and_count_a_request(server):
+    """One streamed request of 20 tokens moves vLLM's counters and histograms by what it did (Prometheus
+    text parsed by prometheus_client; a model_name label on every sample)."""
+    url, client = server
+    before = _metrics(url)
+    stream = client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "count"}],
+                                            max_tokens=20, stream=True, extra_body={"ignore_eos": True, **THINK_OFF})
+    assert sum(1 for _ in stream) > 1
+    httpx.post(url + "/v1/chat/completions", json={"model": "debug", "messages": []})   # a 400
+    after = _metrics(url)
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert moved("vllm:generation_tokens_total") == 20
+    assert moved("vllm:request_success_total", finished_reason="length") == 1
+    assert moved("vllm:time_to_first_token_seconds_count") == 1
+    assert moved("vllm:e2e_request_latency_seconds_count") == 1
+    assert moved("vllm:inter_token_latency_seconds_count") == 19        # every token after the first
+    assert moved("vllm:request_generation_tokens_sum") == 20
+    assert moved("vllm:request_queue_time_seconds_count") == 1
+    assert moved("vllm:prompt_tokens_total") >= 1 and moved("clover_nfe_total") >= 1
+    assert moved("clover_request_tpf_count") == 1 and moved("clover_requests_total") == 1
+    assert moved("clover_http_errors_total", status="400") == 1
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "clover_engine_steps_total",
+                 "clover_prefix_cache_hits_total", "clover_prefix_cache_tokens_reused_total",
+                 "clover_prefix_cache_bytes", "clover_drafts_accepted_total", "clover_requests_rejected_total"):
+        assert any(k[0] == name for k in after), name
 
 
 def test_a_repeated_conversation_reuses_its_prefix_and_answers_the_same(server):
@@ -261,22 +298,13 @@ CALLS = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n
 
 @pytest.fixture(scope="module")
 def tool_server():
-    import uvicorn
-
     tok = Tokenizer.train(["The weather in Paris and Rome. I will check the city days."] * 20, vocab_size=300)
     config = CloverConfig.preset("debug", vocab_size=300, mask_token_id=tok.mask_token_id,
                                  eos_token_id=tok.eos_token_ids)
     model = TextScriptModel(tok.encode(CALLS), config)
     app = build_app(model, tok, ServerConfig(model_name="scripted"), generation_defaults={"algorithm": "ar"})
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    _wait_ready(url)
-    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
 def test_tool_calls_not_streamed(tool_server):
@@ -312,9 +340,9 @@ def test_tool_choice_none_leaves_calls_as_text(tool_server):
 def test_full_queue_answers_429_and_api_key_is_enforced():
     import asyncio
 
-    from clover.async_engine import AsyncEngine, QueueFull
-    from clover.engine import Engine
-    from clover.sampling import SamplingParams
+    from clover.engine.engine import Engine
+    from clover.engine.sampling import SamplingParams
+    from clover.serving.async_engine import AsyncEngine, QueueFull
 
     tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
     config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
@@ -373,7 +401,7 @@ def test_sigterm_lets_an_in_flight_stream_finish(tmp_path):
     d = tmp_path / "m"
     assert cli_main(["init", str(d), "--preset", "debug", "--seed", "4"]) == 0
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "clover.cli", "serve", "--model", str(d), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "clover", "serve", "--model", str(d), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     _wait_ready(url, proc)
@@ -394,7 +422,7 @@ def test_sigterm_lets_an_in_flight_stream_finish(tmp_path):
 
 
 def test_bench_serve_reports_latency_percentiles_and_throughput(server):
-    from clover.bench import bench_serve
+    from clover.evaluation.bench import bench_serve
 
     url, _ = server
     for concurrency in (1, 4):
@@ -411,7 +439,7 @@ def test_bench_serve_reports_latency_percentiles_and_throughput(server):
 
 
 def test_itl_split_and_percentiles():
-    from clover.bench import percentiles, split_itl
+    from clover.evaluation.bench import percentiles, split_itl
 
     # two gaps; the chunks after them carry 3 and 1 tokens of the 4 left (by their text share)
     assert split_itl([0.3, 0.2], [30, 10], 4) == pytest.approx([0.1, 0.1, 0.1, 0.2], abs=1e-12)

@@ -5,8 +5,8 @@ import torch
 from conftest import perturbed_model
 from test_parity import clover_from, reference_model
 
-from clover.config import CloverConfig
-from clover.testing import assert_close
+from clover.model.config import CloverConfig
+from clover.model.testing import assert_close
 
 pytestmark = pytest.mark.slow
 

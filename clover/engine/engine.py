@@ -1,0 +1,445 @@
+"""The generation engine: the scheduler and the output of batched decoding.
+
+Each sequence owns a row of one shared `PrefixCache`. A step admits waiting requests, then hands the
+running sequences of each decoding policy (`clover.engine.policies`: `ar`, `low_confidence`, `verify`) to that
+policy, which runs its forwards over all of them at once; so sequences of different lengths, block
+phases and algorithms advance together, join between steps and leave when done (their row is reset
+and reused; the cache is dropped when idle). The engine owns what every policy shares: admission,
+the batched forward call, emitting tokens and text (stop strings, limits, incremental text) and
+finishing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from clover.engine.policies import POLICIES, Policy
+from clover.engine.prefix_cache import PrefixStore, block_keys
+from clover.engine.sampling import SamplingParams
+from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
+from clover.model.cache import PrefixCache
+from clover.model.config import GenerationConfig
+from clover.model.modeling import CloverForCausalLM
+
+__all__ = ["Engine", "Event", "GenerationResult", "GenerationStats", "StepRecord"]
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model: CloverForCausalLM, tokenizer: object | None = None, max_batch_size: int = 32,
+                 policies: dict[str, Policy] | None = None, prefix_cache_bytes: int = 0,
+                 max_prefill_tokens: int | None = None) -> None:
+        """`tokenizer` (optional) needs `decode(ids) -> str`; it enables text output and stop strings.
+        `policies` replaces the decoding policies by algorithm name (default: `clover.engine.policies.POLICIES`).
+        `prefix_cache_bytes` > 0 keeps committed prefixes for later requests (`clover.engine.prefix_cache`).
+        `max_prefill_tokens` (chunked prefill): a step prefills at most this many prompt tokens in
+        block-aligned chunks, so a long prompt never stalls the other sequences' steps (None: no limit)."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"the prefix cache budget must be >= 0 bytes (0: off), got {prefix_cache_bytes}")
+        if max_prefill_tokens is not None and max_prefill_tokens < model.config.block_size:
+            raise ValueError(f"max_prefill_tokens must be at least the block size {model.config.block_size}, "
+                             f"got {max_prefill_tokens}")
+        self.max_prefill_tokens = max_prefill_tokens
+        self.prefilling: list[SequenceState] = []  # admitted, prompt still being prefilled in chunks
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.config = model.config
+        self.eos_ids = set(self.config.eos_token_ids)
+        self.policies: dict[str, Policy] = {**{name: cls() for name, cls in POLICIES.items()}, **(policies or {})}
+        self.cache: PrefixCache | None = None
+        self.free_rows: list[int] = []
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+        self._ids = itertools.count()
+        self.forward_seconds = 0.0  # wall time inside model forwards, all sequences together
+        self.prefix = PrefixStore(self.config.block_size, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; it joins the batch at the next step. Raises ValueError for bad input."""
+        params = params or SamplingParams()
+        params.validate(self.config.vocab_size)
+        if params.algorithm not in self.policies:
+            raise ValueError(f"algorithm must be one of {sorted(self.policies)}, got {params.algorithm!r}")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {self.config.vocab_size})")
+        limit = self.config.max_position_embeddings
+        if len(prompt) + params.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens plus max_new_tokens {params.max_new_tokens} exceeds the context "
+                f"limit of {limit} tokens"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; give stop_token_ids instead")
+        rid = request_id or f"req-{next(self._ids)}"
+        if any(s.rid == rid for s in itertools.chain(self.waiting, self.running)):
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        self.waiting.append(SequenceState(
+            rid=rid, prompt=prompt, params=params, block_size=GenerationConfig.resolve_block_size(params.block_size, self.config),
+            generator=torch.Generator().manual_seed(seed), counts=torch.zeros(self.config.vocab_size,
+                                                                              device=self.model.device),
+            started=time.perf_counter(), stats=GenerationStats(prompt_tokens=len(prompt)),
+        ))
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (waiting or running) at once, freeing its cache row."""
+        for s in list(self.waiting):
+            if s.rid == request_id:
+                self.waiting.remove(s)
+                return True
+        for s in self.running:
+            if s.rid == request_id and s.finish_reason is None:
+                s.finish_reason = "abort"
+                self._retire()
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- the step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Event]:
+        """Admit waiting requests, then let each decoding policy advance its sequences by one step."""
+        events: list[Event] = []
+        admitted = [s for s in self._admit() if s not in self.prefilling] + self._prefill_chunks()
+        for name, policy in self.policies.items():
+            new = [s for s in admitted if s.params.algorithm == name]
+            if new:
+                policy.prefill(self, new, events)
+            running = [s for s in self.running if s.params.algorithm == name and s.finish_reason is None
+                       and s not in new and s not in self.prefilling]
+            if running:
+                policy.step(self, running, events)
+        self._retire()
+        return events
+
+    def _prefill_chunks(self) -> list[SequenceState]:
+        """Chunked prefill: advance the sequences whose prompts are too long for one step by block-aligned
+        chunks, at most `max_prefill_tokens` tokens in all; returns those whose policy may now prefill the
+        rest (at most one block and the prompt's tail) and start decoding."""
+        budget, size = self.max_prefill_tokens, self.config.block_size
+        chunk: list[tuple[SequenceState, int]] = []
+        for s in self.prefilling:
+            take = min(self._chunk_limit(s) - s.pos, budget // size * size)
+            if take <= 0:
+                break
+            chunk.append((s, take))
+            budget -= take
+        if chunk:
+            seqs = [s for s, _ in chunk]
+            self.forward(seqs, "causal", self.pad([s.prompt[s.pos: s.pos + n] for s, n in chunk], 0),
+                         [n for _, n in chunk], logits="none")
+            for s, n in chunk:
+                s.pos += n
+                s.stats.prefill_forwards += 1
+        ready = [s for s in self.prefilling if s.pos >= self._chunk_limit(s)]
+        self.prefilling = [s for s in self.prefilling if s not in ready]
+        return ready
+
+    def _chunk_limit(self, s: SequenceState) -> int:
+        """How far chunks prefill a prompt: the block boundary under what the policy's own prefill needs."""
+        size = self.config.block_size
+        return self.policies[s.params.algorithm].reusable(s) // size * size
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Decode all prompts together (joined and retired as the batch limit allows), results in order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} parameter sets for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        results: dict[str, GenerationResult] = {}
+        while self.has_unfinished():
+            for ev in self.step():
+                if ev.finished and ev.result is not None:
+                    results[ev.request_id] = ev.result
+        return [results[i] for i in ids]
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[Event]:
+        """Decode one prompt alone, yielding each block (or token, for `ar`) as it becomes final."""
+        rid = self.add_request(prompt_ids, params)
+        while True:
+            for ev in self.step():
+                if ev.request_id == rid:
+                    yield ev
+                    if ev.finished:
+                        return
+            if not any(s.rid == rid for s in itertools.chain(self.waiting, self.running)):
+                return  # aborted
+
+    # -- admission -----------------------------------------------------------------------------------
+    def _admit(self) -> list[SequenceState]:
+        n = min(len(self.waiting), self.max_batch_size - len(self.running))
+        if n <= 0:
+            return []
+        admitted = [self.waiting.popleft() for _ in range(n)]
+        if len(self.free_rows) < n:
+            extra = max(n - len(self.free_rows), 4)
+            start = 0 if self.cache is None else self.cache.batch_size
+            grown = self.model.new_cache(extra)
+            self.cache = grown if self.cache is None else PrefixCache.concat([self.cache, grown])
+            self.free_rows.extend(range(start, start + extra))
+        for s in admitted:
+            s.row = self.free_rows.pop(0)
+        self.cache.reset_rows([s.row for s in admitted])
+        if self.prefix is not None:
+            for s in admitted:
+                self._reuse_prefix(s)
+        if self.max_prefill_tokens is not None:
+            self.prefilling += [s for s in admitted if self._chunk_limit(s) - s.pos > self.max_prefill_tokens]
+        self.running.extend(admitted)
+        return admitted
+
+    # -- prefix cache --------------------------------------------------------------------------------
+    def _reuse_prefix(self, s: SequenceState) -> None:
+        """Restore the longest cached block prefix of the prompt that the sequence's policy may reuse."""
+        size = self.prefix.block_size
+        limit = self.policies[s.params.algorithm].reusable(s) // size
+        keys = block_keys(s.prompt[: limit * size], size)
+        n = self.prefix.match(keys, limit)
+        stats = self.prefix.stats
+        stats.lookups += 1
+        stats.tokens_looked_up += limit * size
+        if n:
+            self.prefix.restore(self.cache, s.row, keys[:n])
+            s.pos = s.stats.cached_tokens = n * size
+            s.chain = keys[:n]
+            stats.hits += 1
+            stats.tokens_reused += n * size
+
+    def _remember(self, seqs: list[SequenceState], before: list[int], rings: dict[int, torch.Tensor],
+                  trace: dict) -> None:
+        """Snapshot every block boundary the last cache-writing forward crossed (`before`: each row's
+        length before it; `rings`: GDN conv rings before it; `trace`: GDN outputs with chunk states)."""
+        size, cache = self.prefix.block_size, self.cache
+        gdn = [i for i, st in enumerate(cache.states) if st is not None]
+        for idx, s in enumerate(seqs):
+            old, new = before[idx], int(cache.lengths[s.row])
+            if new // size == old // size:
+                continue
+            tokens = (s.prompt + s.generated)[:new]
+            s.chain = block_keys(tokens, size, s.chain)
+            for b in range(old // size, new // size):
+                end = (b + 1) * size
+                if end == new:
+                    states = [cache.states[i][s.row] if i in gdn else None for i in range(len(cache.states))]
+                    ring = [cache.rings[i][s.row] if i in gdn else None for i in range(len(cache.rings))]
+                elif old % size == 0 and all(trace.get(i) is not None and trace[i].chunk_states is not None
+                                             for i in gdn):
+                    c = (end - old) // size                                 # the chunk that starts at `end`
+                    states = [trace[i].chunk_states[idx, :, c] if i in gdn else None for i in range(len(cache.states))]
+                    ring = [None] * len(cache.rings)
+                    for i in gdn:
+                        rows = torch.cat([rings[i][idx].to(trace[i].u.dtype), trace[i].u[idx]])  # [W-1+T,Q]
+                        ring[i] = rows[end - old: end - old + rows.shape[0] - trace[i].u.shape[1]]
+                else:
+                    continue
+                self.prefix.insert(s.chain[b], s.chain[b - 1] if b else None, cache, s.row, b, states, ring)
+
+    # -- what policies call --------------------------------------------------------------------------
+    def forward(self, seqs: list[SequenceState], fn: str, ids: torch.Tensor, lengths: list[int],
+                **kw: object) -> torch.Tensor | None:
+        """model.<fn>(ids, cache, lengths=..., rows=<the sequences' rows>, **kw), timed."""
+        rows = self._rows(seqs)
+        remember = self.prefix is not None and fn == "causal" and kw.get("write", True)
+        if remember:
+            before, rings, kw["gdn_trace"] = self._before(rows)
+        out = self._timed(seqs, lambda: getattr(self.model, fn)(
+            ids, self.cache, lengths=torch.tensor(lengths, device=ids.device), rows=rows, **kw))
+        if remember:
+            self._remember(seqs, before, rings, kw["gdn_trace"])
+        return out
+
+    def fused(self, seqs: list[SequenceState], clean: list[list[int]] | list[torch.Tensor],
+              blocks: list[torch.Tensor], commit: bool, clean_logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """model.causal_and_preview over the sequences' rows (a commit or check fused with a preview), timed."""
+        rows = self._rows(seqs)
+        dev = self.model.device
+        remember = self.prefix is not None and commit
+        before, rings, trace = self._before(rows) if remember else (None, None, None)
+        out = self._timed(seqs, lambda: self.model.causal_and_preview(
+            self.pad(clean, 0), self.pad(blocks, self.config.mask_token_id), self.cache,
+            clean_lengths=torch.tensor([len(c) for c in clean], device=dev),
+            block_lengths=torch.tensor([len(b) for b in blocks], device=dev), rows=rows, commit=commit,
+            clean_logits=clean_logits, gdn_trace=trace))
+        if remember:
+            self._remember(seqs, before, rings, trace)
+        return out
+
+    def _timed(self, seqs: list[SequenceState], call: Callable[[], object]) -> object:
+        """Run one forward, adding its wall time to the engine's and to each sequence's model time."""
+        t0 = time.perf_counter()
+        out = call()
+        dt = time.perf_counter() - t0
+        self.forward_seconds += dt
+        for s in seqs:
+            s.stats.model_time += dt
+        return out
+
+    def _rows(self, seqs: list[SequenceState]) -> torch.Tensor | slice:
+        """The sequences' cache rows: a slice when consecutive (the model then reads views of the cache)."""
+        rows = [s.row for s in seqs]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return torch.tensor(rows, device=self.model.device)
+
+    def _before(self, rows: torch.Tensor | slice) -> tuple[list[int], dict[int, torch.Tensor], dict]:
+        """What `_remember` needs from before a cache-writing forward: lengths, conv rings, a trace."""
+        rings = {i: r[rows].clone() for i, r in enumerate(self.cache.rings) if r is not None}
+        return self.cache.lengths[rows].tolist(), rings, {}
+
+    def pad(self, rows: list[list[int]] | list[torch.Tensor], fill: int) -> torch.Tensor:
+        """Right-padded [N, max(1, longest)] long tensor on the model's device."""
+        width = max(1, max(len(r) for r in rows))
+        out = torch.full((len(rows), width), fill, dtype=torch.long)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        return out.to(self.model.device)
+
+    def mask_out(self, logits: torch.Tensor) -> torch.Tensor:
+        """The mask token is never an output."""
+        logits = logits.float().clone()
+        logits[..., self.config.mask_token_id] = float("-inf")
+        return logits
+
+    @contextlib.contextmanager
+    def isolated(self, s: SequenceState, events: list[Event]) -> Iterator[None]:
+        """Run one sequence's share of a step; an exception ends that sequence alone (finish reason
+        "error", the message in its last event), never the others of the batch."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("request %s failed", s.rid)
+            if s.finish_reason is None:
+                self.finish(s, [], [], "error", events, error=f"{type(exc).__name__}: {exc}")
+
+    def is_stop_token(self, s: SequenceState, t: int) -> bool:
+        return (t in self.eos_ids and not s.params.ignore_eos) or t in s.params.stop_token_ids
+
+    def emit_final(self, s: SequenceState, tokens: list[int], steps: list[int], events: list[Event]) -> None:
+        """Emit final tokens, ending the sequence at the first stop token among them."""
+        cut = next((j for j, t in enumerate(tokens) if self.is_stop_token(s, t)), None)
+        if cut is None:
+            self.emit(s, tokens, steps, events)
+        else:
+            self.emit(s, tokens[:cut], steps[:cut], events, stopped=True)
+
+    def emit(self, s: SequenceState, tokens: list[int], steps: list[int], events: list[Event],
+             stopped: bool = False) -> None:
+        """Append final tokens; finish on a stop string, then on `stopped` (a stop token followed them),
+        then on max_new_tokens."""
+        s.generated.extend(tokens)
+        s.accept_steps.extend(steps)
+        if self.tokenizer is not None:
+            self._detokenize(s)
+        if s.params.stop:
+            hit = self._find_stop(s)
+            if hit is not None:
+                at, end = hit
+                # keep the tokens up to the one that completes the stop string; the text ends before it
+                m = s.ends_at[bisect.bisect_left(s.ends, end)]
+                del s.generated[m:], s.accept_steps[m:]
+                self.finish(s, [], [], "stop", events, text=s.decoded[:at])
+                return
+        if stopped:
+            self.finish(s, [], [], "stop", events)
+            return
+        if len(s.generated) >= s.params.max_new_tokens:
+            self.finish(s, [], [], "length", events)
+            return
+        events.append(Event(s.rid, self._new_tokens(s), self._text_delta(s, final=False)))
+
+    def _detokenize(self, s: SequenceState) -> None:
+        """Extend `s.decoded` over the new tokens, one token at a time, each decoded only with the few
+        before it (so the cost does not grow with the output): a token that ends inside a multi-byte
+        character waits for the next one."""
+        decode = self.tokenizer.decode
+        for i in range(s.read_offset, len(s.generated)):
+            text = decode(s.generated[s.prefix_offset: i + 1])
+            if text.endswith("\ufffd") and i + 1 - s.read_offset < 4:
+                continue  # an incomplete character (UTF-8 needs at most 4 bytes)
+            s.decoded += text[len(s.prefix_text):]
+            s.prefix_offset, s.read_offset = s.read_offset, i + 1
+            s.prefix_text = decode(s.generated[s.prefix_offset: s.read_offset])
+            s.ends.append(len(s.decoded))
+            s.ends_at.append(i + 1)
+
+    def _find_stop(self, s: SequenceState) -> tuple[int, int] | None:
+        """The earliest stop string in the text decoded since the last search: (start, end) or None."""
+        longest = max(len(stop) for stop in s.params.stop)
+        start = max(0, s.searched - longest + 1)
+        s.searched = len(s.decoded)
+        hits = [(at, at + len(stop)) for stop in s.params.stop if (at := s.decoded.find(stop, start)) >= 0]
+        return min(hits) if hits else None
+
+    def _new_tokens(self, s: SequenceState) -> list[int]:
+        new = s.generated[s.emitted:]
+        s.emitted = len(s.generated)
+        return new
+
+    def _text_delta(self, s: SequenceState, final: bool, text: str | None = None) -> str:
+        if self.tokenizer is None:
+            return ""
+        if text is not None:
+            full = text
+        elif final:
+            full = s.decoded + self.tokenizer.decode(s.generated[s.prefix_offset:])[len(s.prefix_text):]
+        else:
+            # whole characters only; hold back any tail that could start a stop string
+            full = s.decoded
+            hold = max((k for stop in s.params.stop for k in range(len(stop) - 1, 0, -1) if full.endswith(stop[:k])),
+                       default=0)
+            full = full[: len(full) - hold]
+        delta = full[len(s.text):] if full.startswith(s.text) else ""
+        s.text = full if full.startswith(s.text) else s.text
+        return delta
+
+    def finish(self, s: SequenceState, tokens: list[int], steps: list[int], reason: str, events: list[Event],
+               text: str | None = None, error: str | None = None) -> None:
+        s.generated.extend(tokens)
+        s.accept_steps.extend(steps)
+        s.finish_reason = reason
+        delta = self._text_delta(s, final=True, text=text)
+        s.stats.generated_tokens = len(s.generated)
+        s.stats.wall_time = time.perf_counter() - s.started
+        record = s.params.record_steps
+        result = GenerationResult(
+            request_id=s.rid, prompt_ids=s.prompt, token_ids=list(s.generated),
+            text=s.text if self.tokenizer is not None else None, finish_reason=reason, stats=s.stats,
+            accept_steps=list(s.accept_steps) if record else None, trace=s.trace if record else None,
+        )
+        events.append(Event(s.rid, self._new_tokens(s), delta, True, result, error))
+
+    def _retire(self) -> None:
+        for s in [s for s in self.running if s.finish_reason is not None]:
+            self.running.remove(s)
+            self.free_rows.append(s.row)
+            if s in self.prefilling:
+                self.prefilling.remove(s)
+        if not self.running and not self.waiting:
+            self.cache, self.free_rows = None, []  # idle: give the memory back

@@ -1,0 +1,340 @@
+"""Decoding policies: how a batch of running sequences advances by one engine step.
+
+A policy is one small class behind one protocol: `prefill` the sequences just admitted, `step` the
+others. It runs its forwards through the engine (`engine.forward`, `engine.fused`) over all its
+sequences at once, decides tokens, and hands final ones to `engine.emit*`. A new decoding strategy
+is one new class added to `POLICIES`.
+
+- `ar` (spec section 5): one causal forward per token, which also commits it.
+- `low_confidence` (spec section 5): blocks aligned to absolute positions, the prompt tail fixed in
+  the first block; each preview picks a token and its confidence at every masked slot and accepts
+  those at or above the threshold (at least the most confident, at most `max_accept_per_step`); an
+  accepted end-of-sequence token fills the rest of the block. A resolved block is committed in the
+  same forward as the next block's first preview, and the prompt prefill in the same forward as the
+  first preview (`model.causal_and_preview`, equal to the separate passes): p forwards per block of
+  p denoising steps, not p + 1.
+- `verify` (spec section 5b): the preview drafts, the causal head decides. Each check is one forward
+  that runs the block with its drafts causally over the cache (not written) and, fused with it, the
+  preview of the block with its unverified slots masked, which drafts the next check. Drafts are kept
+  while they equal the `ar` decoder's choice, and the first disagreement is replaced by that choice,
+  so every check yields at least one token and the output is `ar`'s (speculative sampling at
+  temperature > 0). Nothing of a rejected draft reaches the cache: the block is committed only
+  when every slot is verified, fused with the next block's first preview. `VerifyPolicy(fused=False)`
+  drafts with a separate preview before each check (measured in benchmarks/decode.py).
+
+Dimension letters: S block slots, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from clover.engine.sampling import pick_tokens, sample_from, token_distribution, verify_drafts
+from clover.engine.sequence import Event, SequenceState, StepRecord
+
+if TYPE_CHECKING:
+    from clover.engine.engine import Engine
+
+
+class Policy(Protocol):
+    def reusable(self, s: SequenceState) -> int: ...
+    def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None: ...
+    def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None: ...
+
+
+class AutoRegressive:
+    """`ar`: the causal head picks each next token; the forward that reads a token also commits it."""
+
+    def reusable(self, s: SequenceState) -> int:
+        """Prompt tokens whose cache may be restored: all but the last, whose logits start decoding."""
+        return len(s.prompt) - 1
+
+    def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Prefill each prompt from where its restored prefix ends (s.pos, 0 without one)."""
+        logits = engine.forward(seqs, "causal", engine.pad([s.prompt[s.pos:] for s in seqs], 0),
+                                [len(s.prompt) - s.pos for s in seqs], logits="last")
+        for s, lg in zip(seqs, logits, strict=True):
+            s.pos = len(s.prompt)
+            with engine.isolated(s, events):
+                self._token(engine, s, lg, events)
+
+    def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        ids = torch.tensor([[s.generated[-1]] for s in seqs], device=engine.model.device)
+        logits = engine.forward(seqs, "causal", ids, [1] * len(seqs), logits="last")
+        for s, lg in zip(seqs, logits, strict=True):
+            s.pos += 1
+            with engine.isolated(s, events):
+                self._token(engine, s, lg, events)
+
+    def _token(self, engine: Engine, s: SequenceState, logits: torch.Tensor, events: list[Event]) -> None:
+        s.stats.commit_forwards += 1
+        s.step += 1
+        token, _ = pick_tokens(engine.mask_out(logits[None]), s.params, s.counts, s.generator)
+        t = int(token[0])
+        if not engine.is_stop_token(s, t):
+            s.counts[t] += 1
+        engine.emit_final(s, [t], [s.step], events)
+
+
+class _Blocks:
+    """What the block policies share: block layout, the fused prefill / commit with the next preview."""
+
+    def start_block(self, engine: Engine, s: SequenceState) -> None:
+        fixed = max(len(s.prompt) - s.pos, 0)  # the prompt tail, inside the first block only
+        room = min(s.block_size - fixed, s.params.max_new_tokens - len(s.generated))
+        dev = engine.model.device
+        s.fixed = fixed
+        s.block = torch.full((fixed + room,), engine.config.mask_token_id, dtype=torch.long, device=dev)
+        s.resolved = torch.zeros(fixed + room, dtype=torch.bool, device=dev)
+        if fixed:
+            s.block[:fixed] = torch.tensor(s.prompt[s.pos:], device=dev)
+            s.resolved[:fixed] = True
+        s.block_steps = [0] * (fixed + room)
+
+    def reusable(self, s: SequenceState) -> int:
+        """Prompt tokens whose cache may be restored: the whole blocks the prefill would commit."""
+        return len(s.prompt) // s.block_size * s.block_size
+
+    def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Causal prefill of each prompt's whole blocks (from where a restored prefix ends, s.pos) fused
+        with the preview of its first block."""
+        start = [s.pos for s in seqs]
+        for s in seqs:
+            s.pos = len(s.prompt) // s.block_size * s.block_size
+            self.start_block(engine, s)
+        clean = [s.prompt[a: s.pos] for a, s in zip(start, seqs, strict=True)]
+        last, logits = engine.fused(seqs, clean, [s.block for s in seqs], commit=True, clean_logits="last")
+        for i, s in enumerate(seqs):
+            s.stats.prefill_forwards += int(len(clean[i]) > 0)
+            s.stats.preview_forwards += 1
+            with engine.isolated(s, events):
+                self.after_preview(engine, s, logits[i, : len(s.block)], last[i] if clean[i] else None, events)
+
+    def commit(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Commit each finished block fused with the first preview of the sequence's next block."""
+        done = [s.block for s in seqs]
+        for s in seqs:
+            s.pos += len(s.block)
+            self.start_block(engine, s)
+        last, logits = engine.fused(seqs, done, [s.block for s in seqs], commit=True, clean_logits="last")
+        for i, s in enumerate(seqs):
+            s.stats.commit_forwards += 1
+            with engine.isolated(s, events):
+                self.after_preview(engine, s, logits[i, : len(s.block)], last[i], events)
+
+    def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
+                      events: list[Event]) -> None:
+        raise NotImplementedError
+
+
+class LowConfidence(_Blocks):
+    """`low_confidence`: accept confident slots of each preview until the block is resolved."""
+
+    def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        super().prefill(engine, seqs, events)
+        self._complete(engine, [s for s in seqs if s.finish_reason is None and bool(s.resolved.all())], events)
+
+    def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        open_ = [s for s in seqs if not bool(s.resolved.all())]
+        if open_:
+            logits = engine.forward(open_, "preview", engine.pad([s.block for s in open_], engine.config.mask_token_id),
+                                    [len(s.block) for s in open_])
+            for s, lg in zip(open_, logits, strict=True):
+                s.stats.preview_forwards += 1
+                with engine.isolated(s, events):
+                    self._accept(engine, s, lg[: len(s.block)])
+        self._complete(engine, [s for s in seqs if s.finish_reason is None and bool(s.resolved.all())], events)
+
+    def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
+                      events: list[Event]) -> None:
+        self._accept(engine, s, logits)
+
+    def _complete(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Emit resolved blocks; commit those whose sequence goes on (fused with their next preview)."""
+        go_on = []
+        for s in seqs:
+            s.stats.blocks += 1
+            with engine.isolated(s, events):
+                engine.emit_final(s, s.block[s.fixed:].tolist(), s.block_steps[s.fixed:], events)
+            if s.finish_reason is None:
+                go_on.append(s)
+        if go_on:
+            self.commit(engine, go_on, events)
+
+    def _accept(self, engine: Engine, s: SequenceState, logits: torch.Tensor) -> None:
+        """One denoising step on s.block given its preview logits [S,V]."""
+        s.step += 1
+        p = s.params
+        masked = (~s.resolved).nonzero().squeeze(-1)                            # [M]
+        tokens, conf = pick_tokens(engine.mask_out(logits[masked]), p, s.counts, s.generator)
+        accept = conf >= p.threshold
+        if not bool(accept.any()):
+            accept[conf.argmax()] = True
+        if p.max_accept_per_step is not None and int(accept.sum()) > p.max_accept_per_step:
+            ranked = torch.where(accept, conf, torch.full_like(conf, -1.0))
+            keep = ranked.topk(p.max_accept_per_step).indices
+            accept = torch.zeros_like(accept)
+            accept[keep] = True
+        chosen, chosen_tokens = masked[accept], tokens[accept]
+        s.block[chosen] = chosen_tokens
+        s.resolved[chosen] = True
+        for slot in chosen.tolist():
+            s.block_steps[slot] = s.step
+        s.counts.index_add_(0, chosen_tokens, torch.ones_like(chosen_tokens, dtype=s.counts.dtype))
+        accepted = chosen.tolist()
+        if not p.ignore_eos and engine.eos_ids:
+            is_eos = torch.tensor([int(t) in engine.eos_ids for t in chosen_tokens.tolist()], dtype=torch.bool)
+            if bool(is_eos.any()):
+                first = int(chosen[is_eos.to(chosen.device)].min())
+                later = torch.arange(first + 1, len(s.block), device=s.block.device)
+                for slot in later[~s.resolved[later]].tolist():
+                    s.block_steps[slot] = s.step
+                    accepted.append(slot)
+                s.block[later] = int(s.block[first])
+                s.resolved[later] = True
+        if p.record_steps:
+            draft = s.block.clone()
+            draft[masked] = tokens
+            confidence = torch.ones(len(s.block))
+            confidence[masked.cpu()] = conf.float().cpu()
+            s.trace.append(StepRecord(
+                step=s.step, block=s.pos // s.block_size, start=s.pos, fixed=s.fixed,
+                tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
+                confidence=confidence.tolist(), accepted=sorted(accepted),
+            ))
+
+
+class VerifyPolicy(_Blocks):
+    """`verify`: drafts from the preview, checked and corrected by the causal head (spec section 5b).
+
+    `fused`: the check and the next preview share one forward (else a preview forward drafts before
+    each check). `window`: a check runs both streams over the block only up to `window` slots past the
+    first unverified one (None: the whole block), so that a check costs less than a full two-stream
+    block; the drafts it checks are those the last preview made inside that range, and when every one
+    is kept the causal head adds the next token itself, as `ar` would.
+    """
+
+    def __init__(self, fused: bool = True, window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"window must be a positive number of slots or None, got {window}")
+        self.fused, self.window = fused, window
+
+    def reusable(self, s: SequenceState) -> int:
+        """As for block diffusion, but a prompt that ends on a block boundary keeps its last token to
+        prefill: its causal logits predict the first slot of the first block."""
+        whole = len(s.prompt) // s.block_size * s.block_size
+        return whole - 1 if whole == len(s.prompt) else whole
+
+    def _end(self, s: SequenceState) -> int:
+        """The end of the range a check looks at: `window` slots past the first unverified one."""
+        j = int(s.resolved.sum())
+        return len(s.block) if self.window is None else min(len(s.block), j + self.window)
+
+    def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        if not self.fused:
+            stale = [s for s in seqs if s.drafts is None]
+            if stale:
+                ends = [self._end(s) for s in stale]
+                logits = engine.forward(stale, "preview", engine.pad([s.block[:e] for s, e in zip(stale, ends,
+                                                                                                  strict=True)],
+                                                                     engine.config.mask_token_id), ends)
+                for s, lg, e in zip(stale, logits, ends, strict=True):
+                    s.stats.preview_forwards += 1
+                    with engine.isolated(s, events):
+                        self._draft(engine, s, lg[:e])
+            seqs = [s for s in seqs if s.finish_reason is None]
+            if not seqs:
+                return
+        # each check runs the block with its drafts up to the last drafted slot in range (none, when a
+        # kept window and the causal head's next token went past what the last preview drafted)
+        ends = [max(int(s.resolved.sum()), min(self._end(s), s.draft_end)) for s in seqs]
+        drafted = [torch.where(s.resolved, s.block, s.drafts)[: max(e, 1)] for s, e in zip(seqs, ends, strict=True)]
+        if self.fused:
+            # the preview sees only verified slots: feeding it the drafts being checked (all of them, or
+            # the leading ones above a confidence) gave fewer kept drafts per check on clover-tiny
+            inputs = [s.block[: self._end(s)] for s in seqs]
+            checks, previews = engine.fused(seqs, drafted, inputs, commit=False, clean_logits="all")
+        else:
+            checks = engine.forward(seqs, "causal", engine.pad(drafted, 0), [len(d) for d in drafted], logits="all",
+                                    write=False)
+        finished_blocks = []
+        for i, s in enumerate(seqs):
+            s.stats.check_forwards += 1
+            with engine.isolated(s, events):
+                self._check(engine, s, checks[i, : len(drafted[i])], ends[i], events)
+            done = bool(s.resolved.all())
+            s.stats.blocks += int(done or s.finish_reason is not None)
+            if s.finish_reason is not None:
+                continue
+            if done:
+                finished_blocks.append(s)
+            elif self.fused:
+                with engine.isolated(s, events):
+                    self._draft(engine, s, previews[i, : len(inputs[i])])
+            else:
+                s.drafts = None
+        if finished_blocks:
+            self.commit(engine, finished_blocks, events)
+
+    def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
+                      events: list[Event]) -> None:
+        # the causal prediction of the block's first slot, needed when no prompt token sits in the block
+        s.carry = carry if s.fixed == 0 else None
+        self._draft(engine, s, logits)
+
+    def _draft(self, engine: Engine, s: SequenceState, logits: torch.Tensor) -> None:
+        """Draft the unresolved slots that preview logits [E,V] cover (the first E slots of the block):
+        argmax, or a sample whose distribution is kept for the speculative acceptance."""
+        s.draft_end = logits.shape[0]
+        masked = ~s.resolved[: s.draft_end]
+        lg = engine.mask_out(logits[masked])
+        s.drafts = s.block.clone()
+        if s.params.greedy:
+            s.drafts[: s.draft_end][masked] = pick_tokens(lg, s.params, s.counts, s.generator)[0]
+            s.draft_probs = None
+        else:
+            probs = token_distribution(lg, s.params, s.counts)                    # [M,V]
+            s.drafts[: s.draft_end][masked] = sample_from(probs, s.generator)
+            s.draft_probs = torch.zeros(len(s.block), probs.shape[-1], device=probs.device)
+            s.draft_probs[: s.draft_end][masked] = probs
+
+    def _check(self, engine: Engine, s: SequenceState, causal: torch.Tensor, end: int, events: list[Event]) -> None:
+        """Keep the drafts of slots j .. end-1 that the causal head agrees with (j: the first unverified
+        slot); causal logits [E,V] at slot i predict slot i + 1, and `s.carry` predicts slot 0. When all
+        are kept and the block goes on, the causal head's own token for slot `end` follows."""
+        j = int(s.resolved.sum())                              # slots < j are verified (a prefix)
+        preds = causal[max(j - 1, 0): end]                     # predictions for slots j .. end
+        if j == 0:
+            preds = torch.cat([s.carry[None], preds])
+        preds = engine.mask_out(preds[: len(s.block) - j])
+        m = end - j                                            # drafts checked
+        probs = None if s.draft_probs is None else s.draft_probs[j:end]
+        tokens, kept = verify_drafts(preds[:m], s.drafts[j:end], probs, s.params, s.counts, s.generator)
+        if kept == m and end < len(s.block):                   # every draft kept: the causal head goes on
+            t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])  # as `ar` picks
+            tokens.append(t)
+            s.counts[t] += 1
+        s.step += 1
+        stop = j + len(tokens)
+        s.block[j:stop] = torch.tensor(tokens, device=s.block.device)
+        s.resolved[j:stop] = True
+        s.block_steps[j:stop] = [s.step] * len(tokens)
+        s.stats.drafts_proposed += m
+        s.stats.drafts_accepted += kept
+        if s.params.record_steps:
+            draft = torch.where(s.resolved, s.block, s.drafts)
+            draft[j:end] = s.drafts[j:end]
+            conf = torch.ones(len(s.block))
+            if probs is not None:
+                conf[j:end] = probs.gather(-1, s.drafts[j:end, None]).squeeze(-1).float().cpu()
+            s.trace.append(StepRecord(
+                step=s.step, block=s.pos // s.block_size, start=s.pos, fixed=s.fixed,
+                tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
+                confidence=conf.tolist(), accepted=list(range(j, stop)), rejected=[j + kept] if kept < m else [],
+            ))
+        engine.emit_final(s, tokens, [s.step] * len(tokens), events)
+
+
+POLICIES: dict[str, type] = {"ar": AutoRegressive, "low_confidence": LowConfidence, "verify": VerifyPolicy}

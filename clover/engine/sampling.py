@@ -1,0 +1,207 @@
+"""Sampling parameters, logit penalties, and picking a token with its confidence.
+
+Dimension letters: M positions being decided, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from clover.model.config import GenerationConfig
+
+ALGORITHMS = ("low_confidence", "ar", "verify")
+# Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows to inf.
+GREEDY_BELOW = 1e-5
+_DEFAULTS = GenerationConfig()
+
+
+class InvalidParameter(ValueError):
+    """A sampling parameter out of its bounds; `param` names it (the field of an API request)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Everything one request may set. The decoding defaults are `GenerationConfig`'s (spec section 5)."""
+
+    max_new_tokens: int = 256
+    temperature: float = _DEFAULTS.temperature
+    top_k: int = _DEFAULTS.top_k        # 0: off
+    top_p: float = _DEFAULTS.top_p
+    seed: int | None = None
+    presence_penalty: float = _DEFAULTS.presence_penalty
+    frequency_penalty: float = _DEFAULTS.frequency_penalty
+    repetition_penalty: float = _DEFAULTS.repetition_penalty
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    algorithm: str = _DEFAULTS.algorithm
+    block_size: int | None = _DEFAULTS.block_size  # None: the model's block size
+    threshold: float = _DEFAULTS.threshold
+    max_accept_per_step: int | None = None  # None: no cap
+    record_steps: bool = False          # keep the step that accepted each token and a per-step trace
+
+    def with_(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidParameter naming the first bad field. These are the only bounds: the CLI and the
+        server pass values through unchecked and report this error."""
+        def bad(name: str, rule: str) -> None:
+            raise InvalidParameter(name, f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "a positive integer")
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= 2:
+            bad("temperature", "between 0 and 2")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "a non-negative integer (0 disables it)")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "between -2 and 2")
+        if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            bad("repetition_penalty", "in (0, 10]")
+        if self.algorithm not in ALGORITHMS:
+            bad("algorithm", f"one of {list(ALGORITHMS)}")
+        if self.block_size is not None and (not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024):
+            bad("block_size", "an integer between 1 and 1024")
+        if not math.isfinite(self.threshold) or not 0 <= self.threshold <= 1:
+            bad("threshold", "between 0 and 1")
+        if self.max_accept_per_step is not None and (
+            not isinstance(self.max_accept_per_step, int) or self.max_accept_per_step < 1
+        ):
+            bad("max_accept_per_step", "a positive integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "a list of non-empty strings")
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"token ids in [0, {vocab_size})")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", "a non-negative integer")
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [M,V] fp32; counts [V] occurrences of each token in the response so far.
+
+    repetition (CTRL / transformers): seen tokens' logits divided by the penalty when positive,
+    multiplied when negative; presence and frequency (OpenAI): minus p * [seen] minus f * count.
+    """
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if params.presence_penalty or params.frequency_penalty:
+        logits = logits - params.presence_penalty * (counts > 0).float() - params.frequency_penalty * counts
+    return logits
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def token_distribution(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor) -> torch.Tensor:
+    """The distribution a token is drawn from at each row of logits [M,V]: penalties, then temperature,
+    top-k and top-p; at temperature 0 a one-hot on the argmax. Returns probabilities [M,V] in fp32."""
+    logits = _finite(apply_penalties(logits.float(), counts, params))
+    if params.greedy:  # the argmax exactly as pick_tokens takes it
+        return torch.zeros_like(logits).scatter_(-1, torch.softmax(logits, -1).argmax(-1, keepdim=True), 1.0)
+    logits = _filter_top_k_top_p(_finite(logits / params.temperature), params.top_k, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf and +inf -> the largest float, so that a softmax over a row is always defined (a
+    row of only -inf stays: the mask token and filtered tokens are -inf, never all of them)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of probs [M,V] -> [M]."""
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
+
+
+def pick_tokens(
+    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Penalties, then argmax (temperature 0) or a sample. Returns (tokens [M], confidence [M]):
+    the probability of the chosen token under the distribution it was drawn from."""
+    if params.greedy:
+        probs = torch.softmax(_finite(apply_penalties(logits.float(), counts, params)), dim=-1)
+        conf, tokens = probs.max(dim=-1)
+        return tokens, conf
+    probs = token_distribution(logits, params, counts)
+    tokens = sample_from(probs, generator)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
+
+
+def verify_drafts(
+    logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, params: SamplingParams,
+    counts: torch.Tensor, generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Check drafts [M] against the causal head's logits [M,V] (row i predicts draft i) the way the
+    `ar` decoder would decide each position (spec section 5b). Returns (tokens, kept): the kept drafts
+    followed, at the first rejection, by the causal head's own token (so always >= 1 token); kept =
+    how many drafts were kept. `counts` [V] (response-token counts for the penalties) is updated.
+
+    Temperature 0: a draft is kept when it is the causal argmax. Temperature > 0: speculative
+    sampling -- draft x (drawn from draft_probs [M,V]) is kept with probability min(1, p(x) / q(x)),
+    else the token is drawn from max(0, p - q) renormalised -- so the output follows `ar`'s
+    distribution exactly.
+    """
+    m = drafts.shape[0]
+    if m == 0:
+        return [], 0
+    if params.greedy and not _has_penalties(params):
+        picks = pick_tokens(logits, params, counts, generator)[0]                  # [M]
+        agree = (picks == drafts).int()
+        kept = int(agree.cumprod(0).sum())
+        tokens = drafts[:kept].tolist() + ([int(picks[kept])] if kept < m else [])
+        counts.index_add_(0, torch.tensor(tokens, device=counts.device), torch.ones(len(tokens), device=counts.device))
+        return tokens, kept
+    tokens: list[int] = []
+    for i in range(m):
+        p = token_distribution(logits[i : i + 1], params, counts)[0]              # [V]
+        x = int(drafts[i])
+        if params.greedy:
+            keep = int(p.argmax()) == x
+        else:
+            q = draft_probs[i]
+            keep = float(torch.rand((), generator=generator)) * float(q[x]) < float(p[x])
+        if keep:
+            tokens.append(x)
+            counts[x] += 1
+            continue
+        if params.greedy:
+            t = int(p.argmax())
+        else:
+            residual = (p - draft_probs[i]).clamp(min=0)
+            t = int(sample_from((residual if float(residual.sum()) > 0 else p)[None], generator)[0])
+        tokens.append(t)
+        counts[t] += 1
+        return tokens, i
+    return tokens, m

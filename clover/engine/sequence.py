@@ -1,0 +1,123 @@
+"""What the engine keeps per request and hands back: statistics, step records, results, events, and
+the decoding state of one running sequence (shared by the engine and the decoding policies)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from clover.engine.sampling import SamplingParams
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    blocks: int = 0
+    preview_forwards: int = 0  # previews (a prefill fused with the first preview counts here, once)
+    commit_forwards: int = 0   # block commits (a commit fused with the next preview counts here, once);
+                               # ar: the causal forwards that produced tokens
+    check_forwards: int = 0    # verify: causal checks of drafts (a check fused with a preview counts once)
+    prefill_forwards: int = 0  # prompt prefills (no forward of their own when fused with a preview)
+    cached_tokens: int = 0     # prompt tokens restored from the prefix cache instead of prefilled
+    drafts_proposed: int = 0   # verify: draft tokens checked
+    drafts_accepted: int = 0   # verify: draft tokens the causal head agreed with
+    wall_time: float = 0.0     # seconds from admission to finish
+    model_time: float = 0.0    # seconds inside model forwards this sequence took part in
+
+    @property
+    def nfe(self) -> int:
+        return self.preview_forwards + self.commit_forwards + self.check_forwards
+
+    @property
+    def tpf(self) -> float:
+        return self.generated_tokens / self.nfe if self.nfe else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "nfe": self.nfe, "tpf": self.tpf, "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass
+class StepRecord:
+    """One denoising step of one block (kept when `record_steps` is set)."""
+
+    step: int                 # 1-based step count within the generation
+    block: int                # absolute block index
+    start: int                # absolute position of the block's first slot
+    fixed: int                # leading slots holding prompt tokens
+    tokens: list[int]         # the block after this step (mask id where still unknown)
+    draft: list[int]          # this step's prediction at every slot (resolved slots keep their token)
+    confidence: list[float]   # confidence of each prediction (1.0 for resolved slots)
+    accepted: list[int]       # slots accepted at this step (end-of-sequence fill included)
+    rejected: list[int] = field(default_factory=list)  # verify: the slot whose draft the causal head replaced
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str        # "stop" (end of sequence, stop token or stop string), "length", "abort", "error"
+    stats: GenerationStats
+    accept_steps: list[int] | None = None   # per generated token: the step that accepted it
+    trace: list[StepRecord] | None = None
+
+
+@dataclass
+class Event:
+    """What one step produced for one request: newly final tokens and text, and the end."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    result: GenerationResult | None = None
+    error: str | None = None                   # set when this request failed (finish_reason "error")
+
+
+@dataclass(eq=False)  # identity: the engine keeps sequences in lists and tests membership
+class SequenceState:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    block_size: int
+    generator: torch.Generator
+    counts: torch.Tensor                       # [V] response-token counts for the penalties
+    started: float
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    row: int = -1
+    generated: list[int] = field(default_factory=list)
+    accept_steps: list[int] = field(default_factory=list)
+    trace: list[StepRecord] = field(default_factory=list)
+    text: str = ""                             # text already emitted
+    emitted: int = 0                           # tokens already emitted
+    # incremental detokenisation: `decoded` is the text of generated[:read_offset] (whole characters);
+    # `prefix_text` decodes generated[prefix_offset:read_offset]; `ends[i]` is len(decoded) after
+    # stable point i and `ends_at[i]` the token count there; stop strings were searched up to `searched`
+    decoded: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    prefix_text: str = ""
+    ends: list[int] = field(default_factory=list)
+    ends_at: list[int] = field(default_factory=list)
+    searched: int = 0
+    chain: list[bytes] = field(default_factory=list)  # prefix-cache keys of the committed blocks
+    step: int = 0
+    pos: int = 0                               # committed positions in the cache
+    block: torch.Tensor | None = None          # current block token ids [S]
+    resolved: torch.Tensor | None = None       # [S] bool
+    block_steps: list[int] = field(default_factory=list)
+    fixed: int = 0
+    finish_reason: str | None = None
+    # verify: drafts for the unresolved slots, their draft distributions (temperature > 0) and the
+    # causal head's logits for the block's first slot (from the forward that committed the prefix)
+    drafts: torch.Tensor | None = None
+    draft_end: int = 0                         # slots < draft_end hold drafts (or verified tokens)
+    draft_probs: torch.Tensor | None = None
+    carry: torch.Tensor | None = None

@@ -1,0 +1,326 @@
+"""Chat format (spec section 6): the Jinja chat template, and the parser of model output into
+reasoning, content and OpenAI tool calls, one-shot or incrementally block by block.
+
+Turns are `<|im_start|>{role}\\n{content}<|im_end|>\\n`. Tools are listed in the system turn; calls are
+XML-style `<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`;
+tool results come back wrapped in `<tool_response>` inside a user turn (the Qwen3.5 convention:
+consecutive tool messages share one turn). Thinking mode opens the assistant turn with
+`<think>\\n`; with thinking off the template pre-fills an empty `<think>\\n\\n</think>\\n\\n`.
+Assistant turns after the last user message keep their reasoning (or the empty think block), so
+that a rendered conversation extends its own generation prompts; earlier turns drop it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Template, TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+# The template file: written into every checkpoint as `chat_template.jinja`, read back from there.
+TEMPLATE_FILE = Path(__file__).with_name("chat_template.jinja")
+DEFAULT_CHAT_TEMPLATE = TEMPLATE_FILE.read_text()
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatFormatError(ValueError):
+    """A message list or tool definition the chat template cannot render."""
+
+
+def _tojson(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+# The environment transformers' apply_chat_template uses (trim_blocks, lstrip_blocks, loop controls,
+# tojson without HTML escaping, raise_exception): a template renders the same here and there.
+_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+_ENV.filters["tojson"] = _tojson
+_ENV.globals["raise_exception"] = _raise
+
+
+def _check_messages(messages: list[dict]) -> list[dict]:
+    """Check roles and contents (copies: OpenAI text parts joined, `reasoning` read as
+    `reasoning_content` as transformers does). Tool-call arguments are left as they are."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ChatFormatError(f"messages[{i}] must have a role in {list(ROLES)}, got {m!r:.80}")
+        m = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(parts) != len(content):
+                raise ChatFormatError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(parts)
+        if content is not None and not isinstance(content, str):
+            raise ChatFormatError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise ChatFormatError(f"messages[{i}] ({m['role']}) has no content")
+        m["content"] = content
+        if m.get("reasoning_content") is None and m.get("reasoning") is not None:
+            m["reasoning_content"] = m["reasoning"]
+        for j, call in enumerate(m.get("tool_calls") or []):
+            fn = (call or {}).get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                    not isinstance(fn.get("arguments", {}), (dict, str)):
+                raise ChatFormatError(f"messages[{i}].tool_calls[{j}] needs a function name and arguments (an "
+                                      "object or a JSON string)")
+        out.append(m)
+    return out
+
+
+def parse_tool_arguments(messages: list[dict]) -> list[dict]:
+    """Messages in the OpenAI wire shape (tool-call `arguments` a JSON string) in the shape the template
+    renders as trained (`arguments` an object), as vLLM does for such templates. Other messages unchanged."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if not calls or not isinstance(calls, list):
+            out.append(m)
+            continue
+        parsed = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError as exc:
+                    raise ChatFormatError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {exc}") \
+                        from exc
+                if not isinstance(args, dict):
+                    raise ChatFormatError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
+                call = {**call, "function": {**fn, "arguments": args}}
+            parsed.append(call)
+        out.append({**m, "tool_calls": parsed})
+    return out
+
+
+def validate_tools(tools: list[dict] | None) -> list[dict]:
+    """OpenAI tool definitions: [{"type": "function", "function": {"name", "parameters"?...}}]."""
+    if not tools:
+        return []
+    if not isinstance(tools, list):
+        raise ChatFormatError("tools must be a list")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ChatFormatError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        if not isinstance(fn.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", fn["name"]):
+            raise ChatFormatError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-'")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict) or params.get("type", "object") != "object" or not isinstance(
+            params.get("properties", {}), dict
+        ):
+            raise ChatFormatError(f"tools[{i}].function.parameters must be a JSON schema of type object")
+    return tools
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str) -> Template:
+    return _ENV.from_string(template)
+
+
+def render_chat(
+    template: str, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+    enable_thinking: bool = True, **extra: Any,
+) -> str:
+    """Render `messages` with a Jinja chat template in a sandbox, exactly as transformers'
+    `apply_chat_template` renders them (after checking them). Tool-call arguments given as JSON
+    strings are rendered as the template renders strings; `Tokenizer.apply_chat_template` parses
+    them first (`parse_tool_arguments`)."""
+    if not messages:
+        raise ChatFormatError("messages is empty")
+    try:
+        return _compiled(template).render(
+            messages=_check_messages(messages), tools=validate_tools(tools) or None,
+            add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **extra,
+        )
+    except TemplateError as exc:
+        raise ChatFormatError(f"chat template failed: {exc}") from exc
+
+
+# -- output parsing -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass
+class ParsedOutput:
+    reasoning: str | None
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
+    kind = (schema or {}).get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds:
+        return value, None
+    if kind is None:  # no schema: JSON if it parses, else the text
+        try:
+            return json.loads(value), None
+        except json.JSONDecodeError:
+            return value, None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return value, f"value {value!r:.40} is not valid JSON for type {kind}"
+    checks = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "boolean": lambda v: isinstance(v, bool), "object": lambda v: isinstance(v, dict),
+              "array": lambda v: isinstance(v, list), "null": lambda v: v is None}
+    if not any(checks.get(k, lambda v: True)(parsed) for k in kinds):
+        return value, f"value {value!r:.40} is not of type {kind}"
+    return parsed, None
+
+
+def parse_tool_call(body: str, tools: list[dict] | None) -> tuple[ToolCall | None, list[str]]:
+    """The text between <tool_call> and </tool_call> -> a call with arguments typed by the tool schema."""
+    m = _FUNCTION.fullmatch(body)
+    if not m:
+        return None, [f"malformed tool call: {body.strip()!r:.80}"]
+    name = m.group(1).strip()
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools or []}
+    errors = []
+    if tools and name not in schemas:
+        errors.append(f"call to unknown function {name!r}")
+    props = schemas.get(name, {}).get("properties", {})
+    args: dict[str, Any] = {}
+    for key, raw in _PARAM.findall(m.group(2)):
+        key = key.strip()
+        if tools and name in schemas and key not in props:
+            errors.append(f"{name}: unknown parameter {key!r}")
+        value, err = _convert(raw, props.get(key))
+        if err:
+            errors.append(f"{name}.{key}: {err}")
+        args[key] = value
+    missing = [k for k in schemas.get(name, {}).get("required", []) if k not in args]
+    if missing:
+        errors.append(f"{name}: missing required parameter(s) {missing}")
+    return ToolCall(name, args), errors
+
+
+def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), 0, -1):
+            if text.endswith(tag[:k]):
+                best = max(best, k)
+                break
+    return best
+
+
+def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool, calls: bool = True) -> ParsedOutput:
+    """Parse `text`; when not final, keep back what a later piece could still change. With `calls`
+    False, tool-call markup stays in the content (tool_choice "none")."""
+    errors: list[str] = []
+    reasoning = None
+    rest = text
+    if thinking:
+        if not final and THINK_OPEN.startswith(text.lstrip()):
+            return ParsedOutput("", "", [], [])  # could still become a (repeated) opening tag
+        body = text.lstrip()[len(THINK_OPEN):] if text.lstrip().startswith(THINK_OPEN) else text
+        if THINK_CLOSE in body:
+            reasoning, rest = body.split(THINK_CLOSE, 1)
+        else:
+            reasoning, rest = body, ""
+            if not final:
+                reasoning = reasoning[: len(reasoning) - _partial_tag(reasoning, (THINK_CLOSE,))]
+        reasoning = reasoning.strip() if final or THINK_CLOSE in body else reasoning.lstrip()
+        if not final and THINK_CLOSE not in body:
+            reasoning = reasoning.rstrip()  # trailing whitespace waits: it may end the reasoning
+    parts, found = [], []
+    while True:
+        start = rest.find(CALL_OPEN) if calls else -1
+        if start < 0:
+            tail = rest
+            if not final and calls:
+                tail = tail[: len(tail) - _partial_tag(tail, (CALL_OPEN,))]
+            parts.append(tail)
+            break
+        parts.append(rest[:start])
+        end = rest.find(CALL_CLOSE, start)
+        if end < 0:
+            if final:
+                errors.append(f"unterminated tool call: {rest[start:]!r:.80}")
+            break
+        call, errs = parse_tool_call(rest[start + len(CALL_OPEN): end], tools)
+        errors.extend(errs)
+        if call is not None:
+            found.append(call)
+        rest = rest[end + len(CALL_CLOSE):]
+    content = "".join(parts)
+    content = content.strip() if final else content.lstrip().rstrip()
+    return ParsedOutput(reasoning, content, found, errors)
+
+
+def parse_output(text: str, thinking: bool = True, tools: list[dict] | None = None, calls: bool = True
+                 ) -> ParsedOutput:
+    """Split a finished assistant output (text after the generation prompt) into its parts."""
+    return _scan(text, thinking, tools, final=True, calls=calls)
+
+
+@dataclass
+class OutputDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)   # calls completed by this piece
+    errors: list[str] = field(default_factory=list)            # only on the final piece
+
+
+class StreamingParser:
+    """Feed text pieces as they become final; every delta is safe to show, and the deltas add up to
+    exactly `parse_output` of the whole text, wherever the pieces were split."""
+
+    def __init__(self, thinking: bool = True, tools: list[dict] | None = None, calls: bool = True) -> None:
+        self.thinking, self.tools, self.calls = thinking, tools, calls
+        self.text = ""
+        self._sent = ParsedOutput("" if thinking else None, "")
+
+    def _delta(self, now: ParsedOutput) -> OutputDelta:
+        sent = self._sent
+        d = OutputDelta(
+            reasoning=(now.reasoning or "")[len(sent.reasoning or ""):],
+            content=now.content[len(sent.content):],
+            tool_calls=now.tool_calls[len(sent.tool_calls):],
+        )
+        self._sent = ParsedOutput(now.reasoning, now.content, list(now.tool_calls))
+        return d
+
+    def feed(self, piece: str) -> OutputDelta:
+        self.text += piece
+        return self._delta(_scan(self.text, self.thinking, self.tools, final=False, calls=self.calls))
+
+    def finish(self) -> OutputDelta:
+        final = _scan(self.text, self.thinking, self.tools, final=True, calls=self.calls)
+        d = self._delta(final)
+        d.errors = final.errors
+        return d

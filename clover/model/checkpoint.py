@@ -1,0 +1,386 @@
+"""Checkpoint directories (spec section 7): save, load, and convert a transformers Qwen3.5-MoE checkpoint.
+
+A directory holds `config.json`, `model.safetensors` (or `model-0000i-of-0000n.safetensors` shards
+plus `model.safetensors.index.json`) with the transformers tensor names and the Clover extras, and
+`generation_config.json`. Directories are written beside the target and renamed into place, so an
+interrupted save never leaves a half-written checkpoint under the target name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from clover.model.config import CloverConfig, ConfigError, GenerationConfig
+from clover.model.modeling import CloverForCausalLM, RotaryEmbedding
+from clover.model.tokenizer import Tokenizer
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_SHARD_BYTES = 4 * 1024**3
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+# The Clover parameters a Qwen3.5-MoE checkpoint lacks, created at their neutral init by `convert`.
+CLOVER_EXTRAS = ("conv_right", "preview_log_scale", "history_bias")
+
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "weights" / "clover-tiny"
+
+
+REMOTE_CODE = [Path(__file__).with_name("remote_code") / f for f in ("configuration_clover.py", "modeling_clover.py")]
+
+
+def default_model_dir() -> Path:
+    """The model used when none is named: $CLOVER_MODEL, else the shipped clover-tiny."""
+    return Path(os.environ.get("CLOVER_MODEL", DEFAULT_MODEL_DIR))
+
+
+def load_generation_config(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, incomplete, corrupted or does not match its config."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(set(DTYPES))} or 'auto'")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available on this machine; use --device cpu")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unsupported device {device!r}; use cpu or cuda")
+    return dev
+
+
+# -- writing -----------------------------------------------------------------------------------------
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def _write_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int) -> None:
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / SINGLE_NAME), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(directory / INDEX_NAME, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+def default_generation_config(config: CloverConfig) -> dict:
+    return {**GenerationConfig(block_size=config.block_size).to_dict(), "eos_token_id": config.eos_token_ids,
+            "mask_token_id": config.mask_token_id}
+
+
+def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> None:
+    """Create `target` atomically: `fill(tmp_dir)` writes into a sibling temp dir that is renamed into place."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        fill(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is as shareable as any file
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_checkpoint(
+    model: CloverForCausalLM, directory: str | os.PathLike, dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_files: dict[str, str | bytes] | None = None,
+) -> None:
+    """Write `model` to `directory` (atomically). `extra_files` maps file names to contents to include
+    (tokenizer files, model card); an existing `generation_config.json` in `directory` is kept."""
+    target_dtype = resolve_dtype(dtype)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # tied to model.embed_tokens.weight
+        t = t.detach().to("cpu")
+        tensors[name] = (t.to(target_dtype) if target_dtype is not None and t.is_floating_point() else t).contiguous()
+    target = Path(directory)
+    old_gen = target / "generation_config.json"
+    generation = old_gen.read_text() if old_gen.is_file() else None
+
+    def fill(tmp: Path) -> None:
+        model.config.save(tmp)
+        _write_weights(tensors, tmp, max_shard_bytes)
+        for src in REMOTE_CODE:  # transformers loads the causal mode with these (trust_remote_code)
+            shutil.copyfile(src, tmp / src.name)
+        (tmp / "generation_config.json").write_text(
+            generation or json.dumps(default_generation_config(model.config), indent=2) + "\n"
+        )
+        for name, content in (extra_files or {}).items():
+            mode = "wb" if isinstance(content, bytes) else "w"
+            with open(tmp / name, mode) as f:
+                f.write(content)
+
+    write_directory(target, fill)
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = sorted({directory / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{directory}: shard(s) listed in {INDEX_NAME} are missing: {', '.join(missing)}")
+        return files
+    single = directory / SINGLE_NAME
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{directory} holds no {SINGLE_NAME} and no {INDEX_NAME}")
+
+
+def iter_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of a checkpoint directory, file by file."""
+    for path in _weight_files(Path(directory)):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path} is corrupted or truncated: {exc}") from exc
+
+
+def _check_and_assign(model: CloverForCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
+    expected = {k: v for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        tensors.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshaped = sorted(
+        f"{k} (checkpoint {tuple(tensors[k].shape)}, config expects {tuple(expected[k].shape)})"
+        for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors: {', '.join(misshaped)}")
+    if problems:
+        raise CheckpointError(f"{source} does not match its config; " + "; ".join(problems))
+    model.load_state_dict(tensors, strict=not model.config.tie_word_embeddings, assign=True)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def build_model(
+    config: CloverConfig, tensors: dict[str, torch.Tensor], source: str,
+    dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+) -> CloverForCausalLM:
+    """A model whose parameters are `tensors` (checked by name and shape), cast to dtype, on device."""
+    device = resolve_device(device)
+    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    dtype = dtype or (floats[0] if floats else torch.float32)
+    # fresh, owned buffers (not views of a file mapping): the same memory layout as a model built in
+    # place, so that kernels take the same paths and a resumed run repeats an uninterrupted one bit for bit
+    tensors = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)).clone()
+               for k, v in tensors.items()}
+    with torch.device("meta"):
+        model = CloverForCausalLM(config)
+    _check_and_assign(model, tensors, source)
+    model.rotary = RotaryEmbedding(config).to(device)  # non-persistent buffer: rebuilt, never stored
+    return model.eval()
+
+
+def load_checkpoint(
+    directory: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> CloverForCausalLM:
+    """Load a Clover checkpoint directory. dtype: float32 / bfloat16 / float16 / None (as stored)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        if directory == DEFAULT_MODEL_DIR:
+            raise CheckpointError(
+                f"the shipped model is not in this checkout ({directory}); build it with `make model` or pass "
+                "--model DIR (a random-weight one: `clover init DIR --preset tiny`)"
+            )
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    try:
+        config = CloverConfig.load(directory)
+    except (ConfigError, FileNotFoundError) as exc:
+        raise CheckpointError(f"{directory}: {exc}") from exc
+    tensors = dict(iter_tensors(directory))
+    return build_model(config, tensors, str(directory), resolve_dtype(dtype), device)
+
+
+# -- conversion from transformers ----------------------------------------------------------------------
+
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def sanitize_transformers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map a transformers Qwen3.5-MoE state dict (text or multimodal, packed or per-expert experts)
+    onto Clover names; drops the vision tower and multi-token-prediction heads."""
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name.startswith(("mtp.", "model.visual.", "visual.")):
+            continue
+        name = name.replace("model.language_model.", "model.")
+        m = _PER_EXPERT.match(name)
+        if m:
+            per_expert.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
+            continue
+        out[name] = t
+    prefixes = sorted({p for p, _ in per_expert})
+    for prefix in prefixes:
+        gate, up, down = (per_expert.get((prefix, k), {}) for k in ("gate_proj", "up_proj", "down_proj"))
+        n = len(gate)
+        if not (len(up) == len(down) == n and sorted(gate) == list(range(n))):
+            raise CheckpointError(f"{prefix}: incomplete per-expert tensors")
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]], dim=0) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([down[e] for e in range(n)])
+    return out
+
+
+def convert_transformers_checkpoint(
+    source: str | os.PathLike, target: str | os.PathLike, dtype: str | torch.dtype | None = None,
+    block_size: int | None = None, mask_token_id: int | None = None,
+) -> CloverConfig:
+    """Turn a transformers `Qwen3_5MoeForCausalLM` (or multimodal) checkpoint into a Clover one.
+
+    Backbone tensors are kept exactly; the Clover GDN extras start at their neutral init, which
+    leaves causal mode unchanged; the mask token's embedding row is set to the mean embedding.
+    """
+    source = Path(source)
+    cfg_path = source / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"no config.json in {source}")
+    data = json.loads(cfg_path.read_text())
+    if block_size is not None:
+        data["block_size"] = block_size
+    if mask_token_id is not None:
+        data["mask_token_id"] = mask_token_id
+    config = CloverConfig.from_dict(data)
+    tensors = sanitize_transformers(dict(iter_tensors(source)))
+    with torch.device("meta"):
+        shapes = CloverForCausalLM(config).state_dict()
+    for name, meta in shapes.items():
+        if name.rsplit(".", 1)[-1] in CLOVER_EXTRAS and name not in tensors:
+            tensors[name] = _neutral(name, meta.shape, config)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    emb = tensors.get("model.embed_tokens.weight")
+    if emb is not None:
+        emb = emb.clone()
+        emb[config.mask_token_id] = emb.float().mean(0).to(emb.dtype)
+        tensors["model.embed_tokens.weight"] = emb
+    model = build_model(config, tensors, str(source), resolve_dtype(dtype))
+    extra = {}
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            extra[name] = (source / name).read_bytes()
+    save_checkpoint(model, target, extra_files=extra)
+    return config
+
+
+def export_causal(source: str | os.PathLike, target: str | os.PathLike, dtype: str | torch.dtype | None = None) -> int:
+    """Write the causal (AR) model of a Clover checkpoint as a plain transformers `Qwen3_5MoeForCausalLM`
+    checkpoint: the backbone tensors only (the block-diffusion extension is left out), a Qwen3.5-MoE
+    text config, and the tokenizer, chat template and generation files. Returns the tensor count."""
+    source = Path(source)
+    model = load_checkpoint(source, dtype=dtype if dtype is not None else "auto")
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("block_size", "mask_token_id")}
+    config.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
+    tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()
+               if name.rsplit(".", 1)[-1] not in CLOVER_EXTRAS
+               and not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+
+    def fill(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_weights(tensors, tmp, DEFAULT_SHARD_BYTES)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+            if (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+
+    write_directory(target, fill)
+    return len(tensors)
+
+
+def _neutral(name: str, shape: torch.Size, config: CloverConfig) -> torch.Tensor:
+    if name.endswith("preview_log_scale"):
+        return torch.full(tuple(shape), math.log(math.sqrt(config.linear_key_head_dim)))
+    return torch.zeros(tuple(shape))
+
+
+@dataclass
+class Loaded:
+    model: CloverForCausalLM
+    tokenizer: Tokenizer
+    generation: GenerationConfig
+
+
+def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str = "cpu") -> Loaded:
+    """A checkpoint ready to decode: the model, its tokenizer and its generation defaults."""
+    directory = Path(model_dir) if model_dir else default_model_dir()
+    model = load_checkpoint(directory, dtype=dtype, device=device)
+    tokenizer = Tokenizer.load(directory)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                         f"{model.config.vocab_size}")
+    return Loaded(model, tokenizer, GenerationConfig.from_dict(load_generation_config(directory)))

@@ -1,0 +1,563 @@
+"""The Clover model: the Qwen3.5-MoE text backbone extended for block diffusion (spec sections 2-3).
+
+Architecture, read top to bottom:
+- per layer: input_layernorm -> token mixer -> residual -> post_attention_layernorm -> sparse MoE
+  (with shared expert) -> residual; RMSNorms scale by (1 + weight);
+- token mixer, by `layer_types`: gated full attention (partial RoPE, GQA, per-head q/k norms,
+  sigmoid output gate) or Gated DeltaNet (short conv, delta rule, gated RMSNorm);
+- Clover extras (our design, spec section 3): GDN `conv_right` taps and a block softmax whose
+  history slot reads the clean state; attention bidirectional within a block.
+
+Three entry points, all batched (right padding; `lengths` gives the valid positions per row):
+- `causal`   consumes tokens, updates a `PrefixCache` (prefill and block commits);
+- `preview`  one block over a cache, bidirectional inside the block, the cache untouched;
+- `training_forward`  clean + noisy streams, every block at once (noisy block j sees the clean
+  prefix before it), identical to preview over a causal prefill of the first j blocks.
+
+Dimension letters: N batch, T length, S block, D model, A attention heads, G kv heads, Dh head dim,
+H GDN value heads, K / V GDN key / value dims, Q conv channels, W conv width, R rotary dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clover.model.cache import PrefixCache
+from clover.model.config import CloverConfig
+from clover.model.gdn import (
+    block_preview,
+    causal_conv,
+    delta_rule_chunked,
+    delta_rule_recurrent,
+    l2norm,
+    next_ring,
+    right_conv,
+    valid_mask,
+)
+from clover.model.moe import SparseMoE, load_balancing_loss
+
+
+class RMSNorm(nn.Module):
+    """Zero-initialised weight, output scaled by (1 + weight), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """norm(x) * weight * silu(z), the GDN output norm (weight initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(dtype)
+        return (y * F.silu(z.float())).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        r = config.rotary_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N,T] -> cos, sin [N,T,R]."""
+        freqs = positions[..., None].float() * self.inv_freq.float()            # [N,T,R/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R dims of x [N,heads,T,Dh] (partial RoPE); cos, sin [N,T,R]."""
+    r = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]
+    rot, rest = x[..., :r], x[..., r:]
+    half = torch.cat([-rot[..., r // 2:], rot[..., : r // 2]], dim=-1)
+    return torch.cat([rot * cos + half * sin, rest], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        d, a, g, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = a, g, dh
+        self.q_proj = nn.Linear(d, a * dh * 2, bias=False)  # query and output gate, interleaved per head
+        self.k_proj = nn.Linear(d, g * dh, bias=False)
+        self.v_proj = nn.Linear(d, g * dh, bias=False)
+        self.o_proj = nn.Linear(a * dh, d, bias=False)
+        self.q_norm = RMSNorm(dh, config.rms_norm_eps)
+        self.k_norm = RMSNorm(dh, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+        past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N,T,D]; mask [N,1,T,P+T] bool over [past; own] keys. Returns (out [N,T,D], k, v [N,G,T,Dh])."""
+        n, t, _ = x.shape
+        q, gate = self.q_proj(x).view(n, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)               # [N,A,T,Dh]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(n, t, self.kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)     # [N,G,T,Dh]
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        vals = v if past_v is None else torch.cat([past_v, v], dim=2)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        o = o.transpose(1, 2).reshape(n, t, -1) * torch.sigmoid(gate.reshape(n, t, -1))
+        return self.o_proj(o), k, v
+
+
+@dataclass
+class GDNCausalOut:
+    out: torch.Tensor                 # [N,T,D]
+    state: torch.Tensor               # [N,H,K,V] after the valid rows
+    ring: torch.Tensor                # [N,W-1,Q] after the valid rows
+    u: torch.Tensor                   # [N,T,Q] pre-conv rows (the training forward builds rings from them)
+    chunk_states: torch.Tensor | None  # [N,H,nC,K,V] state before every chunk
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.key_heads, self.heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        q_ch, w = config.linear_conv_dim, config.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(d, q_ch, bias=False)
+        self.in_proj_z = nn.Linear(d, config.linear_value_dim, bias=False)
+        self.in_proj_b = nn.Linear(d, self.heads, bias=False)
+        self.in_proj_a = nn.Linear(d, self.heads, bias=False)
+        self.conv1d = nn.Conv1d(q_ch, q_ch, w, groups=q_ch, bias=False)       # weight [Q,1,W]
+        self.dt_bias = nn.Parameter(torch.ones(self.heads))
+        self.A_log = nn.Parameter(torch.empty(self.heads).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(config.linear_value_dim, d, bias=False)
+        # Clover extras at their neutral init (spec section 3).
+        self.conv_right = nn.Parameter(torch.zeros(q_ch, w - 1))
+        self.preview_log_scale = nn.Parameter(torch.full((self.heads,), math.log(math.sqrt(self.key_dim))))
+        self.history_bias = nn.Parameter(torch.zeros(self.heads))
+        self.use_recurrent_reference = False  # tests flip this to run the step-by-step delta rule
+
+    def _heads(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output [N,T,Q] -> q, k [N,T,H,K] (key heads repeated to the value heads), v [N,T,H,V]."""
+        n, t, _ = c.shape
+        kd = self.key_heads * self.key_dim
+        q, k, v = c.split([kd, kd, self.heads * self.value_dim], dim=-1)
+        rep = self.heads // self.key_heads
+        q = q.reshape(n, t, self.key_heads, self.key_dim).repeat_interleave(rep, dim=2)
+        k = k.reshape(n, t, self.key_heads, self.key_dim).repeat_interleave(rep, dim=2)
+        return q, k, v.reshape(n, t, self.heads, self.value_dim)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [N,T,H,V] -> gated RMSNorm with z = in_proj_z(x) -> out_proj -> [N,T,D]."""
+        n, t, _ = x.shape
+        z = self.in_proj_z(x).reshape(n, t, self.heads, self.value_dim)
+        return self.out_proj(self.norm(o.to(x.dtype), z).reshape(n, t, -1))
+
+    def causal(
+        self, x: torch.Tensor, state: torch.Tensor | None, ring: torch.Tensor, lengths: torch.Tensor,
+        chunk_size: int, return_chunk_states: bool = False,
+    ) -> GDNCausalOut:
+        """x [N,T,D] from `state` / `ring`; rows t >= lengths[n] leave the state and ring untouched."""
+        u = self.in_proj_qkv(x)                                                  # [N,T,Q]
+        c = F.silu(causal_conv(u, ring, self.conv1d.weight.squeeze(1)))
+        q, k, v = self._heads(c)
+        q = l2norm(q.float()) / math.sqrt(self.key_dim)
+        k = l2norm(k.float())
+        live = valid_mask(lengths, x.shape[1])[..., None].float()               # [N,T,1]
+        beta = torch.sigmoid(self.in_proj_b(x).float()) * live
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float()) * live
+        if self.use_recurrent_reference or x.shape[1] == 1:  # one step: the recurrence is the cheapest form
+            o, new_state = delta_rule_recurrent(q, k, v, g, beta, state)
+            chunk_states = None
+        else:
+            o, new_state, chunk_states = delta_rule_chunked(q, k, v, g, beta, state, chunk_size, return_chunk_states)
+        return GDNCausalOut(self._output(o, x), new_state, next_ring(ring, u, lengths), u, chunk_states)
+
+    def preview(self, x: torch.Tensor, state: torch.Tensor, ring: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One block x [N,S,D] over `state` [N,H,K,V] / `ring` [N,W-1,Q]; lengths [N] valid positions."""
+        u = self.in_proj_qkv(x)
+        c = causal_conv(u, ring, self.conv1d.weight.squeeze(1)) + right_conv(u, lengths, self.conv_right)
+        q, k, v = self._heads(F.silu(c))
+        o = block_preview(l2norm(q.float()), l2norm(k.float()), v, state, self.preview_log_scale,
+                          self.history_bias, lengths)
+        return self._output(o, x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: CloverConfig, layer_type: str) -> None:
+        super().__init__()
+        self.is_attention = layer_type == "full_attention"
+        if self.is_attention:
+            self.self_attn = GatedAttention(config)
+        else:
+            self.linear_attn = GatedDeltaNet(config)
+        self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.shared_expert_intermediate_size,
+                             config.num_experts, config.num_experts_per_tok)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, t) for t in config.layer_types])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@dataclass
+class TrainingOutput:
+    clean: torch.Tensor        # [N,T,V] logits (or [N,T,D] final hidden states)
+    noisy: torch.Tensor        # [N,T,V] logits (or hidden states)
+    aux_loss: torch.Tensor     # router load-balancing loss (unweighted), over valid tokens of both streams
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+Mixer = Callable[[int, DecoderLayer, torch.Tensor, Rope], torch.Tensor]
+
+
+class CloverForCausalLM(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, SparseMoE):
+            for p in (module.gate.weight, module.experts.gate_up_proj, module.experts.down_proj):
+                nn.init.normal_(p, std=std)
+
+    # -- shared pieces -------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, batch_size: int) -> PrefixCache:
+        return PrefixCache.empty(self.config, batch_size, self.device, self.dtype)
+
+    def _check_ids(self, ids: torch.Tensor, name: str) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be an int64 or int32 tensor of token ids, got {getattr(ids, 'dtype', type(ids))}")
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise ValueError(f"{name} must have shape [batch, length] with length >= 1, got {tuple(ids.shape)}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
+
+    def _lengths(self, ids: torch.Tensor, lengths: torch.Tensor | None, past: torch.Tensor | None) -> torch.Tensor:
+        n, t = ids.shape
+        if lengths is None:
+            lengths = torch.full((n,), t, dtype=torch.long, device=ids.device)
+        else:
+            lengths = torch.as_tensor(lengths, dtype=torch.long, device=ids.device)
+            if lengths.shape != (n,) or int(lengths.min()) < 0 or int(lengths.max()) > t:
+                raise ValueError(f"lengths must be {n} integers in [0, {t}], got {lengths.tolist()}")
+        end = lengths if past is None else past + lengths
+        if int(end.max()) > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {int(end.max())} positions exceeds the context limit of "
+                f"{self.config.max_position_embeddings} (max_position_embeddings)"
+            )
+        return lengths
+
+    def _cache_rows(self, cache: PrefixCache, n: int, rows: torch.Tensor | list[int] | slice | None
+                    ) -> torch.Tensor | slice | None:
+        """Check that the n input rows map onto the cache (all of it, or the given cache rows). A slice of
+        consecutive rows is kept as a slice: the cache is then read through views, never copied."""
+        if rows is None:
+            if cache.batch_size != n:
+                raise ValueError(f"cache holds {cache.batch_size} sequences but the input has {n} rows")
+            return None
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(cache.batch_size)
+            if step != 1 or stop - start != n:
+                raise ValueError(f"rows must be {n} consecutive cache rows, got {rows}")
+            return slice(start, stop)
+        rows = torch.as_tensor(rows, dtype=torch.long, device=cache.lengths.device)
+        if rows.shape != (n,) or int(rows.min()) < 0 or int(rows.max()) >= cache.batch_size:
+            raise ValueError(f"rows must be {n} distinct cache rows in [0, {cache.batch_size}), got {rows.tolist()}")
+        if rows.unique().numel() != n:
+            raise ValueError(f"rows must be distinct, got {rows.tolist()}")
+        return rows
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mixer: Mixer) -> tuple[torch.Tensor, list]:
+        """Embed, run every layer with `mixer` as its token mixer, final norm. Returns (h, router logits)."""
+        h = self.model.embed_tokens(ids)
+        rope = self.rotary(positions, h.dtype)
+        router_logits = []
+        for i, layer in enumerate(self.model.layers):
+            h = h + mixer(i, layer, layer.input_layernorm(h), rope)
+            y, logits = layer.mlp(layer.post_attention_layernorm(h))
+            router_logits.append(logits)
+            h = h + y
+        return self.model.norm(h), router_logits
+
+    @staticmethod
+    def _prefix_mask(past: torch.Tensor, p: int, t: int) -> torch.Tensor:
+        """[N,1,T,P] bool: cached key j is visible to every new row when j < past[n]."""
+        return (torch.arange(p, device=past.device)[None, :] < past[:, None])[:, None, None, :].expand(-1, 1, t, -1)
+
+    # -- causal mode: prefill and commit -------------------------------------------------------------
+    def causal(
+        self, input_ids: torch.Tensor, cache: PrefixCache | None = None, lengths: torch.Tensor | None = None,
+        logits: str = "all", rows: torch.Tensor | list[int] | slice | None = None, write: bool = True,
+        gdn_trace: dict[int, GDNCausalOut] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """Run input_ids [N,T] causally after the cache (if any) and append them to it (`write` False:
+        read the cache only, leaving it as it was). `gdn_trace`, when given, receives each GDN layer's
+        output with its state before every block-sized chunk (a prefix cache snapshots them).
+
+        `logits`: "all" -> [N,T,V]; "last" -> [N,V] at each row's last valid position; "none" -> None
+        (a commit needs no logits); "train" -> (final hidden states [N,T,D], router aux loss). `rows`: the cache rows the N input rows belong to (default: all,
+        in order), so that a sub-batch runs over a shared cache without copying it.
+        """
+        if logits not in ("all", "last", "none", "train"):
+            raise ValueError(f"logits must be 'all', 'last', 'none' or 'train', got {logits!r}")
+        self._check_ids(input_ids, "input_ids")
+        n, t = input_ids.shape
+        if cache is not None:
+            rows = self._cache_rows(cache, n, rows)
+            past = cache.past(rows)
+        else:
+            past = torch.zeros(n, dtype=torch.long, device=input_ids.device)
+        lengths = self._lengths(input_ids, lengths, past)
+        p = int(past.max()) if cache is not None else 0
+        write = write and cache is not None
+        if write:
+            cache.reserve(int((past + lengths).max()))
+        steps = torch.arange(t, device=input_ids.device)
+        causal = (steps[None, :] <= steps[:, None])[None, None].expand(n, 1, t, t)
+        mask = torch.cat([self._prefix_mask(past, p, t), causal], dim=-1)      # [N,1,T,P+T]
+        zero_ring = None
+
+        def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+            nonlocal zero_ring
+            if layer.is_attention:
+                pk, pv = cache.kv(i, rows, p) if cache is not None and p > 0 else (None, None)
+                out, k, v = layer.self_attn(x, *rope, mask, pk, pv)
+                if write:
+                    cache.write_kv(i, k, v, lengths, rows)
+                return out
+            if cache is not None:
+                state, ring = cache.gdn(i, rows)
+            else:
+                zero_ring = zero_ring if zero_ring is not None else x.new_zeros(n, self.config.linear_conv_kernel_dim - 1,
+                                                                             self.config.linear_conv_dim)
+                state, ring = None, zero_ring
+            res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size,
+                                           return_chunk_states=gdn_trace is not None)
+            if gdn_trace is not None:
+                gdn_trace[i] = res
+            if write:
+                cache.set_gdn(i, rows, res.state, res.ring)
+            return res.out
+
+        h, router_logits = self._run(input_ids, past[:, None] + steps[None, :], mixer)
+        if write:
+            cache.advance(rows, lengths)
+        if logits == "train":
+            valid = (steps[None, :] < lengths[:, None]).reshape(-1)
+            aux = load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok, valid)
+            return h, aux
+        if logits == "none":
+            return None
+        if logits == "last":
+            h = h[torch.arange(n, device=h.device), (lengths - 1).clamp(min=0)]
+        return self.lm_head(h)
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Plain causal logits [N,T,V], no cache."""
+        return self.causal(input_ids, None, lengths)
+
+    # -- preview mode: one denoising step over the current block -------------------------------------
+    def preview(
+        self, block_ids: torch.Tensor, cache: PrefixCache, lengths: torch.Tensor | None = None,
+        rows: torch.Tensor | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits [N,S,V] for a block [N,S] placed right after each cached prefix (of the cache `rows`,
+        default all); the cache is not written."""
+        self._check_ids(block_ids, "block_ids")
+        n, s = block_ids.shape
+        rows = self._cache_rows(cache, n, rows)
+        past = cache.past(rows)
+        lengths = self._lengths(block_ids, lengths, past)
+        p = int(past.max())
+        steps = torch.arange(s, device=block_ids.device)
+        inside = (steps[None, :] < lengths[:, None])[:, None, None, :].expand(n, 1, s, s)
+        inside = inside | torch.eye(s, dtype=torch.bool, device=block_ids.device)  # padded rows see themselves
+        mask = torch.cat([self._prefix_mask(past, p, s), inside], dim=-1)      # [N,1,S,P+S]
+
+        def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+            if layer.is_attention:
+                pk, pv = cache.kv(i, rows, p) if p > 0 else (None, None)
+                return layer.self_attn(x, *rope, mask, pk, pv)[0]
+            return layer.linear_attn.preview(x, *cache.gdn(i, rows), lengths)
+
+        h, _ = self._run(block_ids, past[:, None] + steps[None, :], mixer)
+        return self.lm_head(h)
+
+    # -- fused decoding pass: a causal stream and a preview in one forward ----------------------------
+    def causal_and_preview(
+        self, clean_ids: torch.Tensor, block_ids: torch.Tensor, cache: PrefixCache,
+        clean_lengths: torch.Tensor | None = None, block_lengths: torch.Tensor | None = None,
+        rows: torch.Tensor | list[int] | None = None, commit: bool = True, clean_logits: str = "last",
+        gdn_trace: dict[int, GDNCausalOut] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One forward that does what `causal` and `preview` do apart (spec section 3: a fusion is
+        allowed only where its results equal the separate passes; tests compare them).
+
+        commit=True: clean_ids [N,Tc] are appended to the cache (a block commit, or a prefill) and the
+        block [N,S] is previewed right after them, over the cache they leave; this is the commit of one
+        block and the first denoising step of the next.
+        commit=False: clean_ids run causally over the cache without writing it, and the block is
+        previewed at the same positions (`verify`: the causal head checks drafts while the preview drafts).
+        Returns (clean logits per `clean_logits` "all" / "last" / "none", block logits [N,S,V]).
+        `gdn_trace` as in `causal`, for the clean stream.
+        """
+        if clean_logits not in ("all", "last", "none"):
+            raise ValueError(f"clean_logits must be 'all', 'last' or 'none', got {clean_logits!r}")
+        self._check_ids(clean_ids, "clean_ids")
+        self._check_ids(block_ids, "block_ids")
+        (n, tc), s = clean_ids.shape, block_ids.shape[1]
+        rows = self._cache_rows(cache, n, rows)
+        past = cache.past(rows)
+        clean_lengths = self._lengths(clean_ids, clean_lengths, past)
+        block_start = past + clean_lengths if commit else past
+        block_lengths = self._lengths(block_ids, block_lengths, block_start)
+        p = int(past.max())
+        if commit:
+            cache.reserve(int((past + clean_lengths).max()))
+        dev = clean_ids.device
+        tc_steps, s_steps = torch.arange(tc, device=dev), torch.arange(s, device=dev)
+        # keys: [cached prefix P | clean Tc | block S]; clean rows causal, block rows bidirectional inside
+        # the block and, when committing, over the valid clean rows too
+        clean_rows = torch.cat([
+            self._prefix_mask(past, p, tc),
+            (tc_steps[None, :] <= tc_steps[:, None])[None, None].expand(n, 1, tc, tc),
+            torch.zeros(n, 1, tc, s, dtype=torch.bool, device=dev)], dim=-1)
+        sees_clean = (tc_steps[None, :] < clean_lengths[:, None]) if commit else torch.zeros(n, tc, dtype=torch.bool,
+                                                                                              device=dev)
+        inside = (s_steps[None, :] < block_lengths[:, None])[:, None, None, :].expand(n, 1, s, s)
+        inside = inside | torch.eye(s, dtype=torch.bool, device=dev)
+        block_rows = torch.cat([self._prefix_mask(past, p, s), sees_clean[:, None, None, :].expand(n, 1, s, tc),
+                                inside], dim=-1)
+        mask = torch.cat([clean_rows, block_rows], dim=2)                       # [N,1,Tc+S,P+Tc+S]
+
+        def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+            if layer.is_attention:
+                pk, pv = cache.kv(i, rows, p) if p > 0 else (None, None)
+                out, k, v = layer.self_attn(x, *rope, mask, pk, pv)
+                if commit:
+                    cache.write_kv(i, k[:, :, :tc], v[:, :, :tc], clean_lengths, rows)
+                return out
+            gdn = layer.linear_attn
+            state, ring = cache.gdn(i, rows)
+            clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size,
+                               return_chunk_states=gdn_trace is not None)
+            if gdn_trace is not None:
+                gdn_trace[i] = clean
+            if commit:
+                cache.set_gdn(i, rows, clean.state, clean.ring)
+                state, ring = clean.state, clean.ring
+            return torch.cat([clean.out, gdn.preview(x[:, tc:], state, ring, block_lengths)], dim=1)
+
+        positions = torch.cat([past[:, None] + tc_steps[None, :], block_start[:, None] + s_steps[None, :]], dim=1)
+        h, _ = self._run(torch.cat([clean_ids, block_ids], dim=1), positions, mixer)
+        if commit:
+            cache.advance(rows, clean_lengths)
+        hc, hb = h[:, :tc], h[:, tc:]
+        if clean_logits == "none":
+            out_clean = None
+        elif clean_logits == "last":
+            out_clean = self.lm_head(hc[torch.arange(n, device=dev), (clean_lengths - 1).clamp(min=0)])
+        else:
+            out_clean = self.lm_head(hc)
+        return out_clean, self.lm_head(hb)
+
+    # -- training mode: both streams, every block in one pass ----------------------------------------
+    def training_forward(
+        self, clean_ids: torch.Tensor, noisy_ids: torch.Tensor, lengths: torch.Tensor | None = None,
+        output: str = "logits",
+    ) -> TrainingOutput:
+        """Clean stream x [N,T] in causal mode and noisy stream x~ [N,T] as per-block previews over the
+        clean prefix (spec section 3). `output` "hidden" returns final hidden states instead of logits."""
+        self._check_ids(clean_ids, "clean_ids")
+        self._check_ids(noisy_ids, "noisy_ids")
+        if clean_ids.shape != noisy_ids.shape:
+            raise ValueError(f"clean {tuple(clean_ids.shape)} and noisy {tuple(noisy_ids.shape)} shapes differ")
+        n, t = clean_ids.shape
+        b = self.config.block_size
+        w = self.config.linear_conv_kernel_dim
+        lengths = self._lengths(clean_ids, lengths, None)
+        nb = -(-t // b)
+        dev = clean_ids.device
+        pos = torch.arange(t, device=dev)
+        blk = pos // b
+        # [2T,2T] visibility: clean rows causal over clean; noisy rows see clean keys of earlier
+        # blocks and noisy keys of their own block (valid ones; padded rows see themselves).
+        key_ok = pos[None, :] < lengths[:, None]                                 # [N,T]
+        cc = (pos[None, :] <= pos[:, None])[None].expand(n, t, t)
+        nc = (blk[None, :] < blk[:, None])[None].expand(n, t, t)
+        nn_ = (blk[None, :] == blk[:, None])[None] & key_ok[:, None, :]
+        nn_ = nn_ | torch.eye(t, dtype=torch.bool, device=dev)[None]
+        top = torch.cat([cc, torch.zeros_like(cc)], dim=-1)
+        bottom = torch.cat([nc, nn_], dim=-1)
+        mask = torch.cat([top, bottom], dim=1)[:, None]                         # [N,1,2T,2T]
+        block_len = (lengths[:, None] - torch.arange(nb, device=dev)[None, :] * b).clamp(0, b)  # [N,nB]
+
+        def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+            if layer.is_attention:
+                return layer.self_attn(x, *rope, mask)[0]
+            gdn = layer.linear_attn
+            xc, xn = x[:, :t], x[:, t:]
+            ring0 = x.new_zeros(n, w - 1, self.config.linear_conv_dim)
+            clean = gdn.causal(xc, None, ring0, lengths, b, return_chunk_states=True)
+            states = clean.chunk_states.transpose(1, 2).flatten(0, 1)            # [N*nB,H,K,V]
+            # ring before block j: clean u rows jB-W+1 .. jB-1 (zeros before position 0)
+            u = F.pad(clean.u, (0, 0, w - 1, nb * b - t))                      # [N,W-1+nB*S,Q]
+            rings = u.unfold(1, w - 1, b)[:, :nb].transpose(-1, -2).reshape(n * nb, w - 1, -1)
+            xn = F.pad(xn, (0, 0, 0, nb * b - t)).reshape(n * nb, b, -1)         # [N*nB,S,D]
+            out = gdn.preview(xn, states, rings, block_len.reshape(-1)).reshape(n, nb * b, -1)[:, :t]
+            return torch.cat([clean.out, out], dim=1)
+
+        h, router_logits = self._run(torch.cat([clean_ids, noisy_ids], dim=1), torch.cat([pos, pos])[None].expand(n, -1),
+                                     mixer)
+        valid = torch.cat([key_ok, key_ok], dim=1).reshape(-1)
+        aux = load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok, valid)
+        if output == "logits":
+            h = self.lm_head(h)
+        elif output != "hidden":
+            raise ValueError(f"output must be 'logits' or 'hidden', got {output!r}")
+        return TrainingOutput(h[:, :t], h[:, t:], aux)

@@ -1,0 +1,199 @@
+"""Tokenizer: a `tokenizers` byte-level BPE with Clover's special tokens and the chat template.
+
+A checkpoint directory holds `tokenizer.json` and `tokenizer_config.json` (special tokens and the
+Jinja `chat_template`), as transformers writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import sysconfig
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
+
+EOS_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mask|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, "<think>", "</think>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>", MASK_TOKEN)
+
+
+# sha256 of the template checkpoints carried before it became chat_template.jinja. It rendered with
+# trim_blocks and lstrip_blocks off; the file template renders the same text with them on (as
+# transformers renders), over every conversation of tests/test_chat.py's table.
+_LEGACY_TEMPLATE_SHA256 = "b87c531ede4c1a496b2ae9bf79ffa8b840c822acedc6a1df58e1cf25ae811d6b"
+
+
+def read_chat_template(directory: str | os.PathLike) -> str:
+    """A checkpoint's chat template, as transformers finds it: `chat_template.jinja`, else the
+    `chat_template` of tokenizer_config.json, else Clover's default (also for the legacy template)."""
+    directory = Path(directory)
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    cfg = directory / "tokenizer_config.json"
+    template = None
+    if cfg.is_file():
+        try:
+            template = json.loads(cfg.read_text()).get("chat_template")
+        except json.JSONDecodeError as exc:
+            raise TokenizerError(f"{cfg} is not valid JSON: {exc}") from exc
+    if not isinstance(template, str) or hashlib.sha256(template.encode()).hexdigest() == _LEGACY_TEMPLATE_SHA256:
+        return DEFAULT_CHAT_TEMPLATE
+    return template
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory is missing or inconsistent."""
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str = DEFAULT_CHAT_TEMPLATE) -> None:
+        self.tk = tokenizer
+        self.chat_template = chat_template
+        self._plain: HFTokenizer | None = None  # a copy that encodes special-token text as plain text
+        missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+        if missing:
+            raise TokenizerError(f"tokenizer lacks the special token(s) {missing}")
+        self.special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+
+    # -- ids --------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size()
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.special_ids[MASK_TOKEN]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Ends of generation: end of text and end of turn."""
+        return [self.special_ids[EOS_TOKEN], self.special_ids[IM_END]]
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids; special tokens written in the text are recognised."""
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+        enable_thinking: bool = True, **extra: Any,
+    ) -> str:
+        """The prompt text of a conversation. Tool-call arguments may be objects or JSON strings (the OpenAI
+        shape, parsed first): either way the calls render in the trained format."""
+        return render_chat(self.chat_template, parse_tool_arguments(messages), tools, add_generation_prompt,
+                           enable_thinking, **extra)
+
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+        enable_thinking: bool = True, suffix: str = "", **extra: Any,
+    ) -> list[int]:
+        """Ids of the rendered conversation (+ `suffix`, trusted template text) in which special tokens come
+        only from the template: a special token written inside a message's content or reasoning is
+        encoded as plain text, so user text cannot close a turn, open a system turn or insert a mask.
+        Conversations without such text encode exactly as `encode(apply_chat_template(...))`."""
+        fields = ("content", "reasoning_content", "reasoning")
+        specials = list(self.special_ids)
+        texts = [m[f] for m in messages for f in fields if isinstance(m.get(f), str)]
+        if not any(sp in t for t in texts for sp in specials):
+            return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking,
+                                                        **extra) + suffix)
+        # render with each untrusted text replaced by a marker, then encode the pieces apart
+        nonce = secrets.token_hex(8)  # no text can hold this marker by chance
+        originals: list[str] = []
+        marked = []
+        for m in messages:
+            m = dict(m)
+            for f in fields:
+                if isinstance(m.get(f), str) and m[f]:  # the template tests these for emptiness
+                    originals.append(m[f])
+                    m[f] = f"<{nonce}:{len(originals) - 1}>"
+            marked.append(m)
+        rendered = self.apply_chat_template(marked, tools, add_generation_prompt, enable_thinking, **extra) + suffix
+        if self._plain is None:
+            self._plain = HFTokenizer.from_str(self.tk.to_str())
+            self._plain.encode_special_tokens = True
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(f"<{nonce}:(\\d+)>", rendered)):
+            if i % 2:  # an untrusted text
+                ids += self._plain.encode(originals[int(piece)], add_special_tokens=False).ids
+            elif piece:
+                ids += self.encode(piece)
+        return ids
+
+    # -- files ------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Tokenizer:
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"no tokenizer.json in {directory}")
+        try:
+            tk = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises its own exception type
+            raise TokenizerError(f"{path} could not be read: {exc}") from exc
+        return cls(tk, read_chat_template(directory))
+
+    def files(self) -> dict[str, str]:
+        """The files that describe this tokenizer, for writing into a checkpoint directory."""
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": IM_END, "pad_token": EOS_TOKEN,
+            "mask_token": MASK_TOKEN, "additional_special_tokens": list(SPECIAL_TOKENS),
+            "chat_template": self.chat_template, "model_max_length": 131072,
+        }
+        return {"tokenizer.json": self.tk.to_str(pretty=False), "tokenizer_config.json": json.dumps(config, indent=2),
+                "chat_template.jinja": self.chat_template}
+
+    def save(self, directory: str | os.PathLike) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        for name, text in self.files().items():
+            (Path(directory) / name).write_text(text)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> Tokenizer:
+        """Byte-level BPE trained on `texts`; the special tokens take the first ids."""
+        tk = HFTokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        )
+        tk.train_from_iterator(texts, trainer=trainer)
+        return cls(tk)
+
+
+def stdlib_sources() -> Iterator[tuple[str, str]]:
+    """(relative path, text) of the Python standard library's sources, tests excluded, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(p in ("test", "tests", "idle_test", "site-packages") for p in rel.parts):
+            continue
+        try:
+            yield str(rel), path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+
+
+def stdlib_texts(max_bytes: int = 2_000_000) -> Iterator[str]:
+    """Standard-library sources up to max_bytes: text that is on every machine, for tokenizers of
+    models built without a corpus (`clover init`)."""
+    total = 0
+    for _, text in stdlib_sources():
+        total += len(text)
+        if total > max_bytes:
+            return
+        yield text

@@ -1,0 +1,491 @@
+"""`clover serve`: the HTTP routes of the OpenAI-compatible server (FastAPI + uvicorn).
+
+POST /v1/chat/completions and /v1/completions (streaming with server-sent events), GET /v1/models,
+/health and /metrics (Prometheus, vLLM's metric names). Concurrent requests share model forwards through
+`AsyncEngine`. Clover's own knobs ride as extra body fields: `algorithm`, `block_size`, `threshold`,
+`max_accept_per_step`, `top_k`, `repetition_penalty`, `ignore_eos`. Errors have the OpenAI shape
+{"error": {"message", "type", "param", "code"}} (`protocol`); bad input never gets a 500.
+Chat requests become prompts in `prompts`; /metrics is rendered by `metrics`.
+
+Streaming sends each committed block as one chunk (the spec's streaming unit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from clover.engine.engine import Engine, GenerationResult
+from clover.engine.sampling import InvalidParameter, SamplingParams
+from clover.model.chat import ChatFormatError, OutputDelta, StreamingParser
+from clover.model.config import GenerationConfig
+from clover.model.modeling import CloverForCausalLM
+from clover.model.tokenizer import Tokenizer
+from clover.serving.async_engine import AsyncEngine, QueueFull
+from clover.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from clover.serving.metrics import ServerMetrics
+from clover.serving.prompts import chat_prompt, messages_from, thinking_from, tools_from
+from clover.serving.protocol import (
+    MAX_N,
+    MAX_STOP_CHARS,
+    APIError,
+    ChatRequest,
+    ClientGone,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+    chunk_event,
+    error_event,
+    error_response,
+    validation_message,
+)
+
+# -- the app ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerConfig:
+    model_name: str = "clover-tiny"
+    api_key: str | None = None
+    max_waiting: int = 64
+    default_max_tokens: int = 512
+    max_body_bytes: int = 4 << 20           # a larger request body is answered 413 before it is parsed
+
+
+@dataclass
+class _Choice:
+    """One sequence of a request: its parser and what it has sent."""
+
+    index: int
+    parser: StreamingParser | None
+    result: GenerationResult | None = None
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict] | None = None
+    errors: list[str] | None = None
+
+
+def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig, max_batch_size: int = 32,
+              generation_defaults: GenerationConfig | dict | None = None, prefix_cache_bytes: int = 0,
+              max_prefill_tokens: int | None = None) -> FastAPI:
+    engine = AsyncEngine(Engine(model, tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes,
+                                max_prefill_tokens=max_prefill_tokens), max_waiting=cfg.max_waiting)
+    defaults = generation_defaults if isinstance(generation_defaults, GenerationConfig) else \
+        GenerationConfig.from_dict(generation_defaults or {})
+    ctx = model.config.max_position_embeddings
+    metrics = ServerMetrics(engine, cfg.model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        # graceful: uvicorn has stopped accepting and waited for open responses; what is left gets 30 s
+        await asyncio.to_thread(engine.stop, 30.0)
+
+    app = FastAPI(title="Clover", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.middleware("http")
+    async def _auth_and_count(request: Request, call_next: Any) -> Any:
+        if cfg.api_key and request.url.path.startswith("/v1/"):
+            sent = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(sent, f"Bearer {cfg.api_key}".encode()):  # constant time
+                metrics.http_error(401)
+                return error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                              "authentication_error", code="invalid_api_key")
+        response = await call_next(request)
+        if response.status_code >= 400:
+            metrics.http_error(response.status_code)
+        return response
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> JSONResponse:
+        # nobody reads this answer; the status (nginx's "client closed request") shows in the error counts
+        return error_response(499, "the client closed the request", code="client_closed_request")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                      "invalid_request_error")
+
+    async def _body(request: Request, schema: type[BaseModel]) -> Any:
+        """The JSON body read up to `max_body_bytes` (413 beyond), parsed off the event loop."""
+        limit = cfg.max_body_bytes
+        too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            data = await asyncio.to_thread(json.loads, raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as exc:
+            message, param = validation_message(exc)
+            raise APIError(400, message, param=param) from exc
+
+    def _params(req: SamplingRequest, max_new: int | None, prompt_len: int, stop: tuple[str, ...]) -> SamplingParams:
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if req.n > MAX_N:
+            raise APIError(400, f"n must be at most {MAX_N}", param="n")
+        _check_model(req.model)
+        room = ctx - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens but the context limit is {ctx} tokens",
+                           param="messages", code="context_length_exceeded")
+        if max_new is not None and max_new > room:
+            raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_new}) exceeds the context "
+                                f"limit of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
+        max_new = max_new or min(cfg.default_max_tokens, room)
+        decoding = defaults.merged(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            algorithm=req.algorithm, block_size=req.block_size, threshold=req.threshold)
+        # validated by the engine when the request is added (`_start_error` names the field)
+        return SamplingParams(**decoding, max_new_tokens=max_new, seed=req.seed, stop=stop,
+                              ignore_eos=req.ignore_eos, max_accept_per_step=req.max_accept_per_step)
+
+    def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > 16 or any(not s for s in stops):
+            raise APIError(400, "stop must be up to 16 non-empty strings", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"each stop string must be at most {MAX_STOP_CHARS} characters", param="stop")
+        return tuple(stops)
+
+    def _usage(prompt_len: int, choices: list[_Choice]) -> dict:
+        completion = sum(c.result.stats.generated_tokens for c in choices if c.result)
+        nfe = sum(c.result.stats.nfe for c in choices if c.result)
+        cached = max((c.result.stats.cached_tokens for c in choices if c.result), default=0)
+        return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe, "tpf": completion / nfe if nfe else 0.0,
+                "blocks": sum(c.result.stats.blocks for c in choices if c.result)}
+
+    async def _merged(ids: list[int], params: list[SamplingParams], request: Request | None = None
+                      ) -> AsyncIterator[tuple[int, Any]]:
+        """Events of n sequences of one request, tagged with their choice index, in arrival order. With
+        `request` (a reply sent whole), a client that hangs up ends the generation: its sequences are
+        aborted (a stream is cancelled by the server itself when its client leaves)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, p: SamplingParams) -> None:
+            try:
+                async for ev in engine.generate(ids, p):
+                    await queue.put((i, ev))
+            except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
+                await queue.put((i, exc))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params)]
+        # the body is read: the next message from the client's side is its disconnect
+        watch = asyncio.ensure_future(request.receive()) if request is not None else None
+        try:
+            open_ = len(tasks)
+            while open_:
+                get = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({get, watch} - {None}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    if watch.result().get("type") == "http.disconnect":
+                        raise ClientGone()
+                    watch = None  # an unexpected message: stop watching rather than spin
+                    continue
+                i, item = get.result()
+                if item is None:
+                    open_ -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            if watch is not None:
+                watch.cancel()
+
+    def _n_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+        if n == 1:
+            return [params]
+        return [params.with_(seed=None if params.seed is None else params.seed + i) for i in range(n)]
+
+    def _start_error(exc: BaseException) -> APIError:
+        if isinstance(exc, QueueFull):
+            return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        if isinstance(exc, InvalidParameter):
+            return APIError(400, str(exc), param=exc.param)
+        if isinstance(exc, ValueError):
+            return APIError(400, str(exc))
+        return APIError(500, f"internal error: {exc}", "server_error")
+
+    def _check_model(name: str | None) -> None:
+        if name is not None and name != cfg.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {cfg.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # -- chat ---------------------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        req: ChatRequest = await _body(request, ChatRequest)
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+        # templating and tokenising run off the event loop: a huge prompt must not stall other requests
+        prompt = await asyncio.to_thread(chat_prompt, req, tokenizer)
+        ids, thinking = prompt.ids, prompt.thinking
+        max_new = req.max_completion_tokens or req.max_tokens
+        params = _n_params(_params(req, max_new, len(ids), _stops(req.stop)), req.n)
+        choices = [_Choice(i, prompt.parser()) for i in range(req.n)]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        events = _merged(ids, params, None if req.stream else request)
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except ClientGone:
+            raise
+        except BaseException as exc:
+            raise _start_error(exc) from exc
+
+        async def consume() -> AsyncIterator[tuple[_Choice, OutputDelta, bool]]:
+            pending = [first] if first else []
+            while True:
+                if pending:
+                    i, ev = pending.pop()
+                else:
+                    try:
+                        i, ev = await events.__anext__()
+                    except StopAsyncIteration:
+                        return
+                c = choices[i]
+                delta = c.parser.feed(ev.text)
+                if ev.finished:
+                    c.result = ev.result
+                    tail = c.parser.finish()
+                    delta = OutputDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
+                                        delta.tool_calls + tail.tool_calls, tail.errors)
+                yield c, delta, ev.finished
+
+        def finish_reason(c: _Choice) -> str:
+            if c.calls:
+                return "tool_calls"
+            return "length" if c.result.finish_reason == "length" else "stop"
+
+        def tool_call_json(c: _Choice, call: Any) -> dict:
+            c.calls = c.calls or []
+            entry = {"index": len(c.calls), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments_json()}}
+            c.calls.append(entry)
+            return entry
+
+        if not req.stream:
+            async for c, delta, _ in consume():
+                c.reasoning += delta.reasoning
+                c.content += delta.content
+                for call in delta.tool_calls:
+                    tool_call_json(c, call)
+                if delta.errors:
+                    c.errors = delta.errors
+            out = []
+            for c in choices:
+                msg: dict[str, Any] = {"role": "assistant", "content": c.content if (c.content or not c.calls) else None}
+                if thinking:
+                    msg["reasoning_content"] = msg["reasoning"] = c.reasoning
+                if c.calls:
+                    msg["tool_calls"] = [{k: v for k, v in e.items() if k != "index"} for e in c.calls]
+                item = {"index": c.index, "message": msg, "finish_reason": finish_reason(c), "logprobs": None}
+                if c.errors:
+                    item["clover_parse_errors"] = c.errors
+                out.append(item)
+            return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_name,
+                    "choices": out, "usage": _usage(len(ids), choices)}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices_: list[dict], usage: dict | None = None) -> str:
+            return chunk_event("chat.completion.chunk", rid, created, cfg.model_name, choices_, usage)
+
+        async def sse() -> AsyncIterator[str]:
+            for c in choices:
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            try:
+                async for c, delta, done in consume():
+                    d: dict[str, Any] = {}
+                    if delta.reasoning:
+                        d["reasoning_content"] = d["reasoning"] = delta.reasoning
+                    if delta.content:
+                        d["content"] = delta.content
+                    if delta.tool_calls:
+                        d["tool_calls"] = [tool_call_json(c, call) for call in delta.tool_calls]
+                    if d:
+                        yield chunk([{"index": c.index, "delta": d, "finish_reason": None}])
+                    if done:
+                        yield chunk([{"index": c.index, "delta": {}, "finish_reason": finish_reason(c)}])
+            except Exception as exc:  # noqa: BLE001 - reported in the stream, the headers are gone
+                yield error_event(_start_error(exc))
+                return
+            if include_usage:
+                yield chunk([], _usage(len(ids), choices))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    # -- completions --------------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req: CompletionRequest = await _body(request, CompletionRequest)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise APIError(400, "give one prompt per request", param="prompt")
+        if not prompts[0]:
+            raise APIError(400, "prompt is empty", param="prompt")
+        ids = await asyncio.to_thread(tokenizer.encode, prompts[0])
+        params = _n_params(_params(req, req.max_tokens, len(ids), _stops(req.stop)), req.n)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        choices = [_Choice(i, None) for i in range(req.n)]
+        events = _merged(ids, params, None if req.stream else request)
+        try:
+            first = await events.__anext__()
+        except ClientGone:
+            raise
+        except BaseException as exc:
+            raise _start_error(exc) from exc
+
+        def reason(r: GenerationResult) -> str:
+            return "length" if r.finish_reason == "length" else "stop"
+
+        async def each() -> AsyncIterator[tuple[int, Any]]:
+            yield first
+            async for item in events:
+                yield item
+
+        if not req.stream:
+            texts = [prompts[0] if req.echo else "" for _ in choices]
+            async for i, ev in each():
+                texts[i] += ev.text
+                if ev.finished:
+                    choices[i].result = ev.result
+            return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
+                    "choices": [{"index": c.index, "text": texts[c.index], "finish_reason": reason(c.result),
+                                 "logprobs": None} for c in choices], "usage": _usage(len(ids), choices)}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def sse() -> AsyncIterator[str]:
+            def body(items: list[dict], usage: dict | None = None) -> str:
+                return chunk_event("text_completion", rid, created, cfg.model_name, items, usage)
+
+            try:
+                async for i, ev in each():
+                    if ev.finished:
+                        choices[i].result = ev.result
+                    yield body([{"index": i, "text": ev.text, "logprobs": None,
+                                 "finish_reason": reason(ev.result) if ev.finished else None}])
+            except Exception as exc:  # noqa: BLE001 - reported in the stream, the headers are gone
+                yield error_event(_start_error(exc))
+                return
+            if include_usage:
+                yield body([], _usage(len(ids), choices))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    model_card = {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "clover", "max_model_len": ctx}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_by_id(model_id: str) -> dict:
+        _check_model(model_id)
+        return model_card
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req: TokenizeRequest = await _body(request, TokenizeRequest)
+        _check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(tokenizer.encode, req.prompt)
+        else:
+            try:
+                ids = await asyncio.to_thread(tokenizer.encode_chat, messages_from(req.messages), tools=tools_from(req.tools),
+                                              add_generation_prompt=req.add_generation_prompt,
+                                              enable_thinking=thinking_from(req.chat_template_kwargs))
+            except ChatFormatError as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+        return {"count": len(ids), "max_model_len": ctx, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req: DetokenizeRequest = await _body(request, DetokenizeRequest)
+        _check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> dict:
+        return {"status": "ok", "running": engine.engine.num_running, "queued": engine.queue_depth}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    return app
+
+
+def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,
+          dtype: str, device: str, model_name: str | None, prefix_cache_bytes: int = 0,
+          max_prefill_tokens: int | None = None) -> None:
+    import logging
+
+    import uvicorn
+
+    from clover.model.checkpoint import load_for_generation
+
+    loaded = load_for_generation(model_dir, dtype, device)
+    name = model_name or (str(model_dir).rstrip("/").split("/")[-1] if model_dir else "clover-tiny")
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
+    app = build_app(loaded.model, loaded.tokenizer, ServerConfig(name, api_key, max_waiting), max_batch_size,
+                    loaded.generation, prefix_cache_bytes, max_prefill_tokens)
+    print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
+          f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+

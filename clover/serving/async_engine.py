@@ -1,0 +1,210 @@
+"""The engine behind the server: one background thread steps the `Engine`; async callers submit
+requests and receive their events, so that concurrent requests share every model forward
+(continuous batching: requests join and leave between steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from clover.engine.engine import Engine, Event, GenerationResult
+from clover.engine.sampling import SamplingParams
+
+
+class QueueFull(RuntimeError):
+    """More requests are queued than the server accepts."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+@dataclass
+class Stats:
+    """Running totals of the engine thread (exported on /metrics)."""
+
+    requests: int = 0
+    rejected: int = 0
+    aborted: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    nfe: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+
+
+@dataclass
+class RequestRecord:
+    """The timeline of one finished request (perf_counter seconds), handed to the observers."""
+
+    submitted: float
+    first_token: float | None = None
+    last_token: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # per token after the first: the gap since the
+    # previous event, shared evenly by the tokens that event carried (a block arrives at once)
+    finished: float = 0.0
+    result: GenerationResult | None = None
+
+
+class Observer(Protocol):
+    def request_finished(self, record: RequestRecord) -> None: ...
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting: int = 64) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.stats = Stats()
+        self.observers: list[Observer] = []      # told about every finished request (the server's metrics)
+        self._records: dict[str, RequestRecord] = {}
+        self._lock = threading.Lock()
+        self._submit: list[tuple[str, list[int], SamplingParams]] = []
+        self._abort: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="clover-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Let in-flight requests finish for up to `timeout` seconds, then cancel the rest."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            self._abort.extend(self._streams)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests accepted but not yet running."""
+        return len(self._submit) + len(self.engine.waiting)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[Event]:
+        """Events of one request; leaving the iteration early (a disconnected client) aborts it."""
+        rid = f"r{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if self._stop:
+                raise QueueFull("the server is shutting down")
+            if self.queue_depth >= self.max_waiting:
+                self.stats.rejected += 1
+                raise QueueFull(f"the server queue is full ({self.max_waiting} waiting requests); retry later")
+            self._streams[rid] = stream
+            self._records[rid] = RequestRecord(submitted=time.perf_counter())
+            self._submit.append((rid, list(prompt_ids), params))
+            self.stats.requests += 1
+            self.stats.prompt_tokens += len(prompt_ids)
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:
+                with self._lock:
+                    self._abort.append(rid)
+                    self.stats.aborted += 1
+                self._wake.set()
+
+    def _deliver(self, rid: str, item: Event | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(rid)
+            if stream is None:
+                return
+            if isinstance(item, BaseException) or item.finished:
+                stream.finished = True
+                self._streams.pop(rid, None)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                submit, self._submit = self._submit, []
+                abort, self._abort = self._abort, []
+            for rid in abort:
+                self.engine.abort(rid)
+                self._records.pop(rid, None)
+                with self._lock:
+                    self._streams.pop(rid, None)
+            for rid, ids, params in submit:
+                with self._lock:
+                    live = rid in self._streams
+                if not live:
+                    continue  # aborted before it started
+                try:
+                    self.engine.add_request(ids, params, request_id=rid)
+                except ValueError as exc:
+                    self._records.pop(rid, None)
+                    self._deliver(rid, exc)
+            if self._stop and not self.engine.has_unfinished():
+                return
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    events = self.engine.step()
+            except Exception as exc:  # a bug: fail the requests in flight rather than hang them
+                self._records.clear()
+                for rid in list(self._streams):
+                    self.engine.abort(rid)
+                    self._deliver(rid, RuntimeError(f"engine failure: {exc}"))
+                continue
+            self.stats.steps += 1
+            self.stats.step_seconds += time.perf_counter() - t0
+            now = time.perf_counter()
+            for ev in events:
+                record = self._records.get(ev.request_id)
+                if ev.error is not None:  # this request failed alone; the others go on
+                    self._records.pop(ev.request_id, None)
+                    self._deliver(ev.request_id, RuntimeError(f"generation failed: {ev.error}"))
+                    continue
+                if record is not None and ev.token_ids:
+                    if record.first_token is None:
+                        record.first_token = now
+                        record.token_gaps += [0.0] * (len(ev.token_ids) - 1)  # arrived with the first
+                    else:
+                        record.token_gaps += [(now - record.last_token) / len(ev.token_ids)] * len(ev.token_ids)
+                    record.last_token = now
+                if ev.finished and ev.result is not None:
+                    self.stats.finished += 1
+                    self.stats.generated_tokens += ev.result.stats.generated_tokens
+                    self.stats.nfe += ev.result.stats.nfe
+                    if record is not None:
+                        record.finished, record.result = now, ev.result
+                        for observer in self.observers:
+                            observer.request_finished(record)
+                if ev.finished:
+                    self._records.pop(ev.request_id, None)
+                self._deliver(ev.request_id, ev)

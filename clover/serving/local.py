@@ -1,0 +1,41 @@
+"""An in-process server: the HTTP app on a free loopback port, run by uvicorn in a background thread.
+
+This is how in-process callers (`clover eval tasks`, tests) reach a model through the same HTTP path as
+every other client: the evaluation layer never holds a model, it gets a URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, timeout_s: float = 30.0) -> Iterator[str]:
+    """Run `app` on 127.0.0.1 (a port the OS picks) until the block ends; yields the base URL
+    (`http://127.0.0.1:PORT`, without `/v1`). The server shuts down gracefully on exit."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="clover-local-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=timeout_s + 30)
+        sock.close()

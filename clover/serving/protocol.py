@@ -1,0 +1,180 @@
+"""The OpenAI wire format of `clover serve`: request schemas, the error shape and server-sent events.
+
+Requests are validated strictly (types are not coerced); unknown fields are ignored here and the
+routes decide what they support. Errors have the OpenAI shape {"error": {"message", "type", "param",
+"code"}}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_N = 8
+MAX_STOP_CHARS = 1024
+
+
+class ClientGone(Exception):
+    """The client of a non-streamed request hung up; its generation was stopped."""
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+# -- request schemas ------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class MessageIn(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Strict):
+    """Fields every generation request shares. Decoding values are bounded in one place,
+    `SamplingParams.validate`; the schema only checks their types."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = None
+    user: str | None = None
+    # Clover's knobs
+    algorithm: Literal["low_confidence", "ar", "verify"] | None = None
+    block_size: int | None = None
+    threshold: float | None = None
+    max_accept_per_step: int | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[MessageIn] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str]
+    echo: bool = False
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[MessageIn] | None = None
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status,
+                        headers=headers)
+
+
+def sse_event(data: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def chunk_event(obj: str, rid: str, created: int, model: str, choices: list[dict], usage: dict | None = None) -> str:
+    """A streamed chunk of a chat (`chat.completion.chunk`) or text (`text_completion`) completion."""
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return sse_event(body)
+
+
+def error_event(err: APIError) -> str:
+    """An error after the stream started (the status line is gone): the same body as an HTTP error."""
+    return sse_event({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+
+
+def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return (f"{param}: {err.get('msg')}" if param else str(err.get("msg"))), param
+
+

@@ -1,0 +1,286 @@
+"""Agent conversations for training that teach reading the tools offered, not memorising them.
+
+Everything a user varies is drawn from the seed: tool names, parameter names and descriptions (the
+harness's own names are kept for a third of the tasks, so its suites stay in distribution), how many
+tools are offered (unused distractors), system prompts, phrasings, earlier turns of the conversation,
+tool errors that must be read and recovered from, follow-up questions, thinking on or off. Families:
+
+- `calc`, `notes`, `files`, `recall`, `calc_faulty`, `arith`: the task families of `clover.training.synthetic`
+  (the harness's `tools` and `memory` suites draw them on test seeds), renamed and dressed up;
+  `recall` runs up to 32 tool results, as the `memory` suite does;
+- `everyday`: natural tools (weather, population, capitals, local time, exchange rates, definitions)
+  over fictional places and words, so the answer can only come from calling the tool;
+- `lookup`: tools with random schemas (`{verb}_{entity}_{attribute}` with a parameter and a
+  description saying what they return), several offered, one asked for.
+
+Tool vocabularies come in two disjoint pools: `train` (training and validation data) and `heldout`
+(names, parameters and descriptions never used in training; the harness's `heldout` suite), so that
+success on held-out schemas measures reading, not recall. Seeds decide everything.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from clover.training import synthetic
+from clover.training.synthetic import Alias, Task, World, _Builder, _tool
+
+FAMILY_WEIGHTS = {"calc": 3, "calc_faulty": 1, "notes": 2, "files": 2, "recall": 3, "everyday": 3, "lookup": 4,
+                  "arith": 2}
+RECALL_STEPS = (2, 4, 8, 16, 32)
+KEEP_HARNESS_NAMES = 1 / 3
+
+SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are an assistant that can call tools. Use them when they help.",
+                  "Answer the user's questions. Call a tool whenever you need information you do not have.",
+                  "You are a careful agent: check tool results before you answer.", "Be brief.",
+                  "You help users with everyday questions using the tools provided.")
+
+# Other names for the harness's tools: (names of the tool or pair, parameter names, descriptions).
+RENAMES: dict[str, list[tuple[tuple[str, ...], dict[str, str], tuple[str, ...]]]] = {
+    "calculator": [
+        (("calc",), {"expression": "expr"}, ("Compute an arithmetic expression.",)),
+        (("evaluate",), {"expression": "formula"}, ("Evaluate a formula with + - * / and parentheses.",)),
+        (("math",), {"expression": "input"}, ("Do arithmetic on the input and return the number.",)),
+        (("compute",), {"expression": "query"}, ("Return the value of an arithmetic query.",)),
+        (("arithmetic",), {"expression": "expression"}, ("Exact arithmetic: + - * / and brackets.",)),
+    ],
+    "notes": [
+        (("save_note", "get_note"), {"key": "key", "value": "text"},
+         ("Save a note under a key.", "Get the note saved under a key.")),
+        (("memory_write", "memory_read"), {"key": "slot", "value": "content"},
+         ("Write content into a memory slot.", "Read the content of a memory slot.")),
+        (("kv_put", "kv_get"), {"key": "name", "value": "data"},
+         ("Put data in the store under a name.", "Get the data stored under a name.")),
+        (("remember", "recall_note"), {"key": "label", "value": "value"},
+         ("Remember a value under a label.", "Recall the value remembered under a label.")),
+    ],
+    "files": [
+        (("ls", "cat"), {"path": "path"}, ("List a directory.", "Print a file.")),
+        (("list_files", "open_file"), {"path": "location"}, ("List the files in a folder.", "Open a text file.")),
+        (("browse", "view_file"), {"path": "dir"}, ("Show what a directory holds.", "Show the text of a file.")),
+    ],
+}
+_PAIRS = {"notes": ("note_set", "note_get"), "files": ("list_dir", "read_file")}
+
+
+@dataclass(frozen=True)
+class Everyday:
+    name: str
+    param: str
+    description: str
+    questions: tuple[str, ...]
+    answer: str                                     # final answer, with {x} and {v}
+    value: Callable[[random.Random], str]
+
+
+def _num(lo: int, hi: int) -> Callable[[random.Random], str]:
+    return lambda r: f"{r.randint(lo, hi):,}"
+
+
+_WEATHER = ("sunny", "cloudy", "rainy", "windy", "foggy", "snowing")
+_DEFS = ("a small boat used on rivers", "a kind of sweet bread", "a tool for cutting wood", "a cold northern wind",
+         "a song sung at harvest", "a narrow mountain path", "a bright red bird", "an old unit of length")
+
+EVERYDAY = {
+    "train": [
+        Everyday("get_weather", "city", "Current weather in a city.", ("What's the weather in {x}?",
+                 "Is it warm in {x} right now?", "Tell me the weather for {x}."), "In {x} it is {v}.",
+                 lambda r: f"{r.randint(-5, 35)} C and {r.choice(_WEATHER)}"),
+        Everyday("get_population", "city", "Number of people living in a city.", ("How many people live in {x}?",
+                 "What is the population of {x}?"), "{x} has {v} inhabitants.", _num(2_000, 9_000_000)),
+        Everyday("capital_of", "country", "The capital city of a country.", ("What is the capital of {x}?",
+                 "Which city is the capital of {x}?"), "The capital of {x} is {v}.", lambda r: _place(r)),
+        Everyday("local_time", "city", "The current local time in a city.", ("What time is it in {x}?",
+                 "Tell me the local time in {x}."), "It is {v} in {x}.",
+                 lambda r: f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}"),
+        Everyday("exchange_rate", "currency", "Value of one unit of a currency in US dollars.",
+                 ("How many dollars is one {x} worth?", "What's the dollar rate of the {x}?"),
+                 "One {x} is worth {v} US dollars.", lambda r: f"{r.uniform(0.01, 5):.4f}"),
+        Everyday("define", "word", "Dictionary definition of a word.", ("What does '{x}' mean?",
+                 "Define the word {x}."), "'{x}' means {v}.", lambda r: r.choice(_DEFS)),
+    ],
+    "heldout": [
+        Everyday("fetch_forecast", "area", "Tomorrow's forecast for an area.",
+                 ("What will the weather be like tomorrow in {x}?",), "Tomorrow in {x}: {v}.",
+                 lambda r: f"{r.choice(_WEATHER)}, high of {r.randint(0, 35)} degrees"),
+        Everyday("stock_quote", "ticker", "Latest trading price of a stock ticker, in dollars.",
+                 ("What is {x} trading at?", "Give me the share price of {x}."), "{x} trades at {v} dollars.",
+                 lambda r: f"{r.uniform(1, 900):.2f}"),
+        Everyday("track_parcel", "tracking_number", "Delivery status of a parcel.",
+                 ("Where is my parcel {x}?", "Track package {x} for me."), "Parcel {x}: {v}.",
+                 lambda r: r.choice(("out for delivery", "held at the depot", "delivered", "in transit"))),
+        Everyday("book_author", "title", "Who wrote a book.", ("Who wrote {x}?", "Who is the author of {x}?"),
+                 "{x} was written by {v}.", lambda r: f"{_place(r)} {_place(r)}"),
+    ],
+}
+
+LOOKUP_POOLS = {
+    "train": dict(verbs=("get", "find", "lookup", "query", "fetch", "read"),
+                  entities=("item", "user", "order", "device", "product", "account", "ticket", "server", "team",
+                            "course"),
+                  attributes=("color", "owner", "price", "size", "score", "status", "rank", "weight", "label",
+                              "origin", "version", "region", "level", "code"),
+                  params=("id", "name", "key", "ref")),
+    "heldout": dict(verbs=("retrieve", "obtain"),
+                    entities=("vessel", "painting", "recipe", "planet", "species"),
+                    attributes=("altitude", "vintage", "genre", "mileage", "diameter", "habitat"),
+                    params=("identifier", "handle")),
+}
+
+_SYL = ("ka", "lo", "ven", "tar", "mi", "dor", "sel", "ru", "bex", "qua", "nim", "oth", "pel", "zan", "vi", "gro")
+
+
+def _place(r: random.Random) -> str:
+    return "".join(r.choice(_SYL) for _ in range(r.randint(2, 3))).capitalize()
+
+
+def _entity_value(r: random.Random, entity: str) -> str:
+    return r.choice((f"{entity[:3].upper()}-{r.randint(100, 9999)}", _place(r), f"{r.choice(synthetic.WORDS)}"
+                     f"{r.randint(1, 99)}"))
+
+
+def _attribute_value(r: random.Random, attribute: str) -> str:
+    return r.choice((str(r.randint(1, 5000)), r.choice(synthetic.WORDS), f"{r.choice(synthetic.WORDS)}-"
+                     f"{r.randint(1, 9)}", _place(r)))
+
+
+def _everyday(rng: random.Random, b: _Builder, pool: str) -> tuple[str, list[dict]]:
+    specs = rng.sample(EVERYDAY[pool], rng.randint(1, min(4, len(EVERYDAY[pool]))))
+    asked = specs[0]
+    tools = [_tool(s.name, s.description, {s.param: "string"}) for s in specs]
+    answers = []
+    for turn in range(2 if rng.random() < 0.3 else 1):
+        spec = asked if turn == 0 else rng.choice(specs)
+        x = _place(rng)
+        value = spec.value(rng)
+        b.world.tables.setdefault(spec.name, {})[x] = value
+        typed = x
+        if rng.random() < 0.2:  # the user writes the name in lower case; the tool says how to fix it
+            typed = x.lower()
+            b.world.errors[spec.name, typed] = f"error: unknown {spec.param} {typed!r}; names are capitalised, " \
+                                              f"e.g. {x!r}"
+        b.user(rng.choice(spec.questions).format(x=typed))
+        got = b.act(f"The {spec.name} tool gives this; call it with {spec.param} {typed}.", spec.name,
+                    **{spec.param: typed})
+        if got.startswith("error"):
+            got = b.act(f"The tool wants the name capitalised: {x}.", spec.name, **{spec.param: x})
+        text = spec.answer.format(x=x, v=got)
+        b.answer(f"The tool answered {got}.", text)
+        answers.append(got)
+    return answers[-1], tools  # the final answer is checked
+
+
+def _lookup(rng: random.Random, b: _Builder, pool: str) -> tuple[str, list[dict]]:
+    p = LOOKUP_POOLS[pool]
+    entity = rng.choice(p["entities"])
+    attrs = rng.sample(p["attributes"], rng.randint(1, 4))
+    param = rng.choice(p["params"] + (entity,))
+    names = [f"{rng.choice(p['verbs'])}_{entity}_{a}" for a in attrs]
+    tools = [_tool(n, f"Return the {a} of a {entity}, given its {param}.", {param: "string"})
+             for n, a in zip(names, attrs, strict=True)]
+    k = rng.randrange(len(attrs))
+    x = _entity_value(rng, entity)
+    value = _attribute_value(rng, attrs[k])
+    for n, a in zip(names, attrs, strict=True):
+        b.world.tables[n] = {x: value if n == names[k] else _attribute_value(rng, a)}
+    b.user(rng.choice(("What is the {a} of {e} {x}?", "Find the {a} of the {e} {x}.", "I need the {a} of {e} {x}.",
+                       "{e} {x}: what {a} does it have?")).format(a=attrs[k], e=entity, x=x))
+    got = b.act(f"{names[k]} returns the {attrs[k]} of a {entity}.", names[k], **{param: x})
+    b.answer(f"The tool returned {got}.", f"The {attrs[k]} of {entity} {x} is {got}.")
+    return got, tools
+
+
+def _renamed(rng: random.Random, b: _Builder, family: str) -> dict[str, dict]:
+    """Rename the tools a canonical family uses; returns canonical name -> shown tool definition."""
+    group = "calculator" if family in ("calc", "calc_faulty", "recall") else family
+    if group not in RENAMES or rng.random() < KEEP_HARNESS_NAMES:
+        return {}
+    names, params, descriptions = rng.choice(RENAMES[group])
+    own = _PAIRS.get(group, ("calculator",))
+    shown = {}
+    for own_name, new_name, desc in zip(own, names, descriptions, strict=True):
+        own_params = {"note_set": ("key", "value"), "note_get": ("key",), "list_dir": ("path",),
+                      "read_file": ("path",), "calculator": ("expression",)}[own_name]
+        mapping = {q: params[q] for q in own_params}
+        b.renames[own_name] = (new_name, mapping)
+        b.world.aliases[new_name] = Alias(own_name, {v: k for k, v in mapping.items()})
+        shown[own_name] = _tool(new_name, desc, {mapping[q]: "string" for q in own_params})
+    return shown
+
+
+def _distractors(rng: random.Random, pool: str, taken: set[str]) -> list[dict]:
+    out = []
+    for _ in range(rng.choice((0, 0, 1, 2, 3))):
+        kind = rng.random()
+        if kind < 0.5:
+            spec = rng.choice(EVERYDAY[pool])
+            tool = _tool(spec.name, spec.description, {spec.param: "string"})
+        else:
+            p = LOOKUP_POOLS[pool]
+            e, a = rng.choice(p["entities"]), rng.choice(p["attributes"])
+            tool = _tool(f"{rng.choice(p['verbs'])}_{e}_{a}", f"Return the {a} of a {e}.",
+                         {rng.choice(p["params"]): "string"})
+        if tool["function"]["name"] not in taken:
+            taken.add(tool["function"]["name"])
+            out.append(tool)
+    return out
+
+
+def make_training_task(family: str, seed: int, pool: str = "train") -> Task:
+    """One conversation of `family` from `seed`, dressed up as described in the module docstring."""
+    if family not in FAMILY_WEIGHTS:
+        raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILY_WEIGHTS)}")
+    if pool not in LOOKUP_POOLS:
+        raise ValueError(f"unknown pool {pool!r}; choose from {sorted(LOOKUP_POOLS)}")
+    rng = random.Random(f"agent:{family}:{pool}:{seed}")
+    thinking = rng.random() < 0.5
+    b = _Builder(World(), thinking)
+    if family == "calc_faulty":
+        base = synthetic.make_faulty_calc(seed, thinking=thinking)
+        b.messages, answer, tools = base.messages, base.answer, base.tools
+        shown = {}
+    else:
+        shown = _renamed(rng, b, family)
+        if family == "everyday":
+            answer, tools = _everyday(rng, b, pool)
+        elif family == "lookup":
+            answer, tools = _lookup(rng, b, pool)
+        elif family == "recall":
+            answer, tools = synthetic._recall(rng, b, steps=rng.choice(RECALL_STEPS))
+        else:
+            answer, tools = synthetic._FAMILY[family](rng, b)
+    tools = [shown.get(t["function"]["name"], t) for t in tools]
+    if tools:
+        tools = tools + _distractors(rng, pool, {t["function"]["name"] for t in tools})
+        rng.shuffle(tools)
+    messages = list(b.messages)
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    if rng.random() < 0.25:  # an earlier, unrelated exchange
+        for _ in range(rng.randint(1, 2)):
+            prior = synthetic.make_task("arith", rng.randrange(10**9), thinking=thinking).messages
+            messages[first_user:first_user] = prior
+            first_user += len(prior)
+    if rng.random() < 0.5:
+        prompt = rng.choice(SYSTEM_PROMPTS)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": prompt + "\n" + messages[0]["content"]}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+    # the chat template drops the reasoning of turns before the last user message: so does the data
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    messages = [{k: v for k, v in m.items() if k != "reasoning_content"} if i < last_user else m
+                for i, m in enumerate(messages)]
+    parts = answer.split("|")
+    return Task(family, seed, tools, messages, answer, check=lambda text: all(p in text for p in parts), world=b.world,
+                thinking=thinking, initial_files=b.initial_files if b.initial_files is not None else dict(b.world.files))
+
+
+def training_tasks(split: str, count: int, pool: str = "train") -> list[Task]:
+    """`count` conversations of `split` (seeds from its own range), families drawn by FAMILY_WEIGHTS."""
+    if split not in synthetic.SPLIT_SEEDS:
+        raise ValueError(f"unknown split {split!r}; choose from {list(synthetic.SPLIT_SEEDS)}")
+    cycle = [f for f, w in FAMILY_WEIGHTS.items() for _ in range(w)]
+    base = synthetic.SPLIT_SEEDS[split]
+    return [make_training_task(cycle[i % len(cycle)], base + i, pool) for i in range(count)]

@@ -1,0 +1,119 @@
+"""Training objectives (spec section 4): autoregressive, and block diffusion with its options.
+
+Block diffusion: per block a mask ratio t ~ U(eps, 1); each eligible position is masked with
+probability t (or exactly round(t * n) of them); the loss is the noisy-stream cross-entropy on masked
+positions weighted by 1/t and normalised by the number of eligible tokens (the masked-diffusion
+ELBO); the plain masked-token cross-entropy is reported too. Options: an AR loss on the clean
+stream, the router load-balancing loss, complementary masking (a second noisy copy with the
+complement mask, so every token is scored). SFT is the same with only assistant tokens eligible.
+
+All reductions are sums over the rows given, divided by a denominator computed from the whole
+global batch, so that data-parallel ranks add up to exactly the single-process loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from clover.model.modeling import CloverForCausalLM
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    kind: str = "ar"                  # "ar" or "diffusion"
+    ar_loss_weight: float = 0.0       # diffusion: weight of the AR loss on the clean stream
+    loss_weighting: str = "elbo"      # "elbo" (1/t) or "none"
+    complementary: bool = False
+    mask_mode: str = "bernoulli"      # "bernoulli" or "exact"
+    eps: float = 1e-3
+    aux_loss_coef: float | None = None  # None: the model config's router_aux_loss_coef
+
+    def validate(self) -> None:
+        if self.kind not in ("ar", "diffusion"):
+            raise ValueError(f"objective must be 'ar' or 'diffusion', got {self.kind!r}")
+        if self.loss_weighting not in ("elbo", "none"):
+            raise ValueError(f"loss_weighting must be 'elbo' or 'none', got {self.loss_weighting!r}")
+        if self.mask_mode not in ("bernoulli", "exact"):
+            raise ValueError(f"mask_mode must be 'bernoulli' or 'exact', got {self.mask_mode!r}")
+        if not 0 < self.eps < 1 or self.ar_loss_weight < 0:
+            raise ValueError("eps must be in (0, 1) and ar_loss_weight >= 0")
+
+
+@dataclass
+class Noise:
+    masked: torch.Tensor   # [N,T] bool
+    t: torch.Tensor        # [N,T] the mask ratio of each position's block
+
+
+def sample_noise(eligible: torch.Tensor, block_size: int, cfg: ObjectiveConfig, gen: torch.Generator) -> list[Noise]:
+    """Masks for the rows of `eligible` [N,T]; two complementary ones when cfg.complementary."""
+    n, t_len = eligible.shape
+    nb = -(-t_len // block_size)
+    t_block = cfg.eps + (1 - cfg.eps) * torch.rand(n, nb, generator=gen)                   # [N,nB]
+    t_pos = t_block.repeat_interleave(block_size, dim=1)[:, :t_len]                        # [N,T]
+    u = torch.rand(n, t_len, generator=gen)
+    if cfg.mask_mode == "bernoulli":
+        masked = eligible & (u < t_pos)
+    else:  # exactly round(t * n_eligible) per block: the lowest random scores among eligible slots
+        pad = nb * block_size - t_len
+        scores = F.pad(torch.where(eligible, u, 2.0), (0, pad), value=2.0).view(n, nb, block_size)
+        count = (F.pad(eligible, (0, pad)).view(n, nb, block_size).sum(-1) * t_block).round()  # [N,nB]
+        rank = scores.argsort(-1).argsort(-1)
+        masked = (rank < count[..., None]).view(n, -1)[:, :t_len] & eligible
+    noises = [Noise(masked, t_pos)]
+    if cfg.complementary:
+        noises.append(Noise(eligible & ~masked, (1 - t_pos).clamp(min=cfg.eps)))
+    return noises
+
+
+def _ar_sums(model: CloverForCausalLM, hidden: torch.Tensor, ids: torch.Tensor, eligible: torch.Tensor
+             ) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropies over positions whose target is eligible, and their count."""
+    targets = eligible[:, 1:]
+    logits = model.lm_head(hidden[:, :-1][targets])                                        # [M,V]
+    return F.cross_entropy(logits.float(), ids[:, 1:][targets], reduction="sum"), int(targets.sum())
+
+
+def compute_loss(
+    model: CloverForCausalLM, ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor,
+    cfg: ObjectiveConfig, noises: list[Noise] | None, denominators: dict[str, float],
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss of these rows; `denominators` ("tokens", "ar_targets") come from the global batch.
+
+    Returns (loss, sums): sums of the reported quantities over these rows, for the caller to
+    add up across ranks and divide.
+    """
+    coef = model.config.router_aux_loss_coef if cfg.aux_loss_coef is None else cfg.aux_loss_coef
+    if cfg.kind == "ar":
+        hidden, aux = model.causal(ids, None, lengths, logits="train")
+        ce, count = _ar_sums(model, hidden, ids, eligible)
+        loss = ce / max(denominators["ar_targets"], 1)
+        sums = {"ar_ce_sum": float(ce.detach()), "ar_targets": count}
+        if coef > 0:
+            loss = loss + coef * aux * ids.shape[0] / max(denominators["rows"], 1)
+            sums["aux_sum"] = float(aux.detach()) * ids.shape[0]
+        return loss, sums
+    mask_id = model.config.mask_token_id
+    copies = len(noises)
+    noisy = torch.cat([torch.where(nz.masked, torch.full_like(ids, mask_id), ids) for nz in noises])
+    clean = ids.repeat(copies, 1)
+    out = model.training_forward(clean, noisy, lengths.repeat(copies), output="hidden")
+    masked = torch.cat([nz.masked for nz in noises])
+    t = torch.cat([nz.t for nz in noises])
+    ce = F.cross_entropy(model.lm_head(out.noisy[masked]).float(), clean[masked], reduction="none")   # [M]
+    weight = 1.0 / t[masked] if cfg.loss_weighting == "elbo" else torch.ones_like(ce)
+    elbo_sum = (ce * weight).sum()
+    loss = elbo_sum / max(denominators["tokens"] * copies, 1)
+    sums = {"diffusion_loss_sum": float(elbo_sum.detach()), "masked_ce_sum": float(ce.detach().sum()), "masked": int(masked.sum()),
+            "tokens": int(eligible.sum()) * copies}
+    if cfg.ar_loss_weight > 0:
+        ar_ce, count = _ar_sums(model, out.clean[: ids.shape[0]], ids, eligible)
+        loss = loss + cfg.ar_loss_weight * ar_ce / max(denominators["ar_targets"], 1)
+        sums.update(ar_ce_sum=float(ar_ce.detach()), ar_targets=count)
+    if coef > 0:
+        loss = loss + coef * out.aux_loss * ids.shape[0] / max(denominators["rows"], 1)
+        sums["aux_sum"] = float(out.aux_loss.detach()) * ids.shape[0]
+    return loss, sums

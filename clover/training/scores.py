@@ -1,0 +1,107 @@
+"""Held-out scores of a checkpoint for its model card (`clover eval bpb`, `clover eval match`):
+
+- `bits_per_byte`: causal (AR) likelihood of the test split's code and English documents, in bits
+  per UTF-8 byte, next to gzip -9 and xz -9 on the same bytes;
+- `continuation_match`: held-out code prompts, greedy continuations by `ar` and by block diffusion
+  at several thresholds on the same weights: per-token agreement with the true continuation, TPF.
+
+The agent tasks of the card (`clover eval tasks`) run through the evaluation harness against the model
+served in process, the project's one agent loop (`clover.cli.evaluate`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import lzma
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from clover.engine.engine import Engine
+from clover.engine.sampling import SamplingParams
+from clover.model.config import GenerationConfig
+from clover.model.modeling import CloverForCausalLM
+from clover.model.tokenizer import EOS_TOKEN, Tokenizer
+from clover.training.data import read_raw
+
+
+@torch.inference_mode()
+def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, kind: str, split: str = "test",
+                  window: int = 512, max_bytes: int | None = None) -> dict:
+    """Every token of every document is predicted, the first from an end-of-text token, in
+    non-overlapping windows of `window` tokens (a window's first tokens see less context)."""
+    docs = [d["text"] for d in read_raw(data, split, kind)]
+    if max_bytes is not None:
+        kept, total = [], 0
+        for d in docs:
+            if total >= max_bytes:
+                break
+            kept.append(d)
+            total += len(d.encode())
+        docs = kept
+    eos = tok.special_ids[EOS_TOKEN]
+    nll, tokens = 0.0, 0
+    for doc in docs:
+        ids = [eos] + tok.encode(doc)
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor([ids[start: start + window + 1]], device=model.device)
+            logits = model(chunk[:, :-1]).float()
+            nll += float(F.cross_entropy(logits[0], chunk[0, 1:], reduction="sum"))
+            tokens += chunk.shape[1] - 1
+    raw = "".join(docs).encode()
+    n = len(raw)
+    return {
+        "kind": kind, "split": split, "documents": len(docs), "bytes": n, "tokens": tokens,
+        "model_bits_per_byte": nll / math.log(2) / n, "model_nats_per_token": nll / tokens,
+        "gzip9_bits_per_byte": 8 * len(gzip.compress(raw, compresslevel=9)) / n,
+        "xz9_bits_per_byte": 8 * len(lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME)) / n,
+    }
+
+
+def code_prompts(tok: Tokenizer, data: str | Path, count: int, new_tokens: int, seed: int = 0,
+                 split: str = "test") -> list[tuple[list[int], list[int]]]:
+    """(prompt, true continuation) pairs cut at random places of the split's code documents."""
+    stream = np.fromfile(Path(data) / "tokens" / f"{split}_code.bin", dtype=np.uint16).astype(np.int64)
+    eos = tok.special_ids[EOS_TOKEN]
+    rng = random.Random(seed)
+    pairs = []
+    while len(pairs) < count:
+        plen = rng.randint(64, 192)
+        start = rng.randrange(0, len(stream) - plen - new_tokens)
+        window = stream[start: start + plen + new_tokens].tolist()
+        if eos in window:  # stay inside one document
+            continue
+        pairs.append((window[:plen], window[plen:]))
+    return pairs
+
+
+def continuation_match(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, count: int = 200,
+                       new_tokens: int = 64, thresholds: tuple[float, ...] = (0.7, 0.9, 0.95),
+                       block_size: int | None = None, batch: int = 16) -> dict:
+    pairs = code_prompts(tok, data, count, new_tokens)
+    engine = Engine(model, tok, max_batch_size=batch)
+    rows = []
+    base = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, block_size=block_size)
+    settings = [("ar", None)] + [("low_confidence", th) for th in thresholds]
+    for algorithm, threshold in settings:
+        params = base.with_(algorithm=algorithm, threshold=base.threshold if threshold is None else threshold)
+        t0 = time.perf_counter()
+        results = engine.generate([p for p, _ in pairs], params)
+        wall = time.perf_counter() - t0
+        match = [sum(a == b for a, b in zip(r.token_ids, truth, strict=False)) / len(truth)
+                 for r, (_, truth) in zip(results, pairs, strict=True)]
+        generated = sum(len(r.token_ids) for r in results)
+        nfe = sum(r.stats.nfe for r in results)
+        rows.append({"algorithm": algorithm, "threshold": threshold, "match": float(np.mean(match)),
+                     "match_stderr": float(np.std(match) / math.sqrt(len(match))), "tpf": generated / nfe,
+                     "tokens_per_s": generated / wall, "wall_s": wall})
+    ar = rows[0]["match"]
+    for r in rows[1:]:
+        r["match_vs_ar"] = r["match"] / ar if ar else None
+    return {"prompts": count, "new_tokens": new_tokens, "batch": batch,
+            "block_size": GenerationConfig.resolve_block_size(block_size, model.config), "results": rows}

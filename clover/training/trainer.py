@@ -1,0 +1,338 @@
+"""The training loop (`clover train`): AR pretraining, block-diffusion adaptation and SFT, on one
+process or many (`torchrun`, DistributedDataParallel; gloo on CPU, nccl on GPU).
+
+A run directory holds `train_config.json`, `log.jsonl` (train and eval records), `checkpoint/`
+(model, optimizer and step, replaced atomically every `save_every` steps) and, at the end, `model/`
+(the released weights with tokenizer). Every batch and every mask is a pure function of
+(seed, step), so `--resume` continues exactly where the checkpoint left off: same data, same
+noise, same loss curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import pickle
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from clover.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
+from clover.model.tokenizer import EOS_TOKEN, Tokenizer
+from clover.training.data import Batch, TokenData
+from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
+
+
+@dataclass
+class TrainConfig:
+    data: str                                  # data directory (from `clover data build`)
+    out: str                                   # run directory
+    init: str = "preset:tiny"                  # "preset:NAME" (random weights) or a checkpoint directory
+    objective: str = "ar"                      # "ar" or "diffusion"
+    sft: bool = False                          # score (and noise) assistant tokens only
+    pack: bool = False                         # fill chat rows with several conversations
+    mix: str = "code=0.5,english=0.3,chat=0.2"
+    steps: int = 1000
+    batch_size: int = 16                       # sequences per optimizer step, all ranks together
+    grad_accum: int = 1
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    dtype: str = "float32"                     # "float32" or "bfloat16" (autocast; fp32 master weights)
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 4
+    save_every: int = 200
+    ar_loss_weight: float = 0.0
+    loss_weighting: str = "elbo"
+    complementary: bool = False
+    mask_mode: str = "bernoulli"
+    aux_loss_coef: float | None = None
+
+    def objective_config(self) -> ObjectiveConfig:
+        return ObjectiveConfig(self.objective, self.ar_loss_weight, self.loss_weighting, self.complementary,
+                               self.mask_mode, aux_loss_coef=self.aux_loss_coef)
+
+    def mix_weights(self) -> dict[str, float]:
+        try:
+            return {k.strip(): float(v) for k, v in (part.split("=") for part in self.mix.split(","))}
+        except ValueError as exc:
+            raise ValueError(f"mix must look like 'code=0.5,english=0.3,chat=0.2', got {self.mix!r}") from exc
+
+    def validate(self) -> None:
+        self.objective_config().validate()
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if not 0 < self.lr < 1 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
+            raise ValueError("need 0 < lr < 1, 0 <= min_lr_ratio <= 1 and warmup >= 0")
+        self.mix_weights()
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr; `step` counts from 1."""
+    if step <= cfg.warmup:
+        return cfg.lr * step / max(cfg.warmup, 1)
+    progress = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+class _LossModule(nn.Module):
+    """The model with the loss as its forward, so DistributedDataParallel sees every step."""
+
+    def __init__(self, model: CloverForCausalLM, objective: ObjectiveConfig) -> None:
+        super().__init__()
+        self.model, self.objective = model, objective
+
+    def forward(self, ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor, noises: list | None,
+                denominators: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+        return compute_loss(self.model, ids, eligible, lengths, self.objective, noises, denominators)
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _setup_distributed() -> _Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return _Dist()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
+    return _Dist(rank, world, device)
+
+
+def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -> CloverForCausalLM:
+    if cfg.init.startswith("preset:"):
+        config = CloverConfig.preset(cfg.init.split(":", 1)[1], mask_token_id=tokenizer.mask_token_id,
+                                     eos_token_id=tokenizer.eos_token_ids)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the preset only {config.vocab_size}")
+        torch.manual_seed(cfg.seed)
+        return CloverForCausalLM(config).to(device)
+    return load_checkpoint(cfg.init, dtype="float32", device=device)
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+class _Progress:
+    def __init__(self, total: int, start: int) -> None:
+        self.total, self.start, self.t0 = total, start, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def show(self, step: int, loss: float, tokens_per_s: float) -> None:
+        done = step - self.start
+        eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
+        line = (f"step {step}/{self.total} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | "
+                f"ETA {int(eta // 3600):d}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}")
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def _eligible(batch: Batch, sft: bool) -> torch.Tensor:
+    valid = torch.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]
+    return (batch.loss_mask & valid) if sft else valid
+
+
+def _reduce(sums: dict[str, float], d: _Dist) -> dict[str, float]:
+    if d.world == 1:
+        return sums
+    keys = sorted(sums)
+    t = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=d.device)
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
+def _metrics(sums: dict[str, float]) -> dict[str, float]:
+    out = {}
+    if sums.get("ar_targets"):
+        out["ar_loss"] = sums["ar_ce_sum"] / sums["ar_targets"]
+    if sums.get("tokens"):
+        out["diffusion_loss"] = sums["diffusion_loss_sum"] / sums["tokens"]
+        out["masked_ce"] = sums["masked_ce_sum"] / max(sums["masked"], 1)
+    if "aux_sum" in sums and sums.get("rows"):
+        out["aux_loss"] = sums["aux_sum"] / sums["rows"]
+    return out
+
+
+def _run_batch(module: nn.Module, batch: Batch, cfg: TrainConfig, step: int, d: _Dist, block_size: int,
+               train: bool, autocast: torch.autocast | None) -> dict[str, float]:
+    """Forward (and backward when training) over this rank's share of a global batch."""
+    obj = cfg.objective_config()
+    eligible = _eligible(batch, cfg.sft)
+    gen = torch.Generator().manual_seed((cfg.seed * 7_000_003 + step * 2 + (0 if train else 1)) % 2**62)
+    noises = sample_noise(eligible, block_size, obj, gen) if obj.kind == "diffusion" else None
+    denominators = {"tokens": float(eligible.sum()), "ar_targets": float(eligible[:, 1:].sum()),
+                    "rows": float(batch.ids.shape[0])}
+    rows = torch.arange(d.rank, cfg.batch_size, d.world)  # this rank's rows of the global batch
+    micro = rows.tensor_split(cfg.grad_accum)
+    total: dict[str, float] = {}
+    for i, idx in enumerate(micro):
+        if idx.numel() == 0:
+            continue
+        part_noise = None if noises is None else [type(n)(n.masked[idx], n.t[idx]) for n in noises]
+        sync = (not train) or i == len(micro) - 1 or not isinstance(module, nn.parallel.DistributedDataParallel)
+        ctx = module.no_sync() if not sync else nullcontext()
+        with ctx, (autocast or nullcontext()):
+            loss, sums = module(batch.ids[idx].to(d.device), eligible[idx].to(d.device), batch.lengths[idx].to(d.device),
+                                None if part_noise is None else [type(n)(n.masked.to(d.device), n.t.to(d.device))
+                                                                 for n in part_noise], denominators)
+        if train:
+            (loss * d.world).backward()  # DDP averages over ranks; the denominators are global
+        for k, v in sums.items():
+            total[k] = total.get(k, 0.0) + v
+    total["rows"] = float(rows.numel())
+    return total
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> dict:
+    """Run (or continue) a training run. Returns the last logged record."""
+    cfg.validate()
+    d = _setup_distributed()
+    try:
+        return _train(cfg, resume, d)
+    finally:
+        if d.world > 1:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
+    out = Path(cfg.out)
+    tokenizer = Tokenizer.load(Path(cfg.data) / "tokenizer")
+    ckpt = out / "checkpoint"
+    start = 0
+    state = None
+    if resume and (ckpt / "trainer_state.pt").is_file():
+        try:  # tensors, numbers, strings and containers only: a crafted file cannot run code
+            state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"{ckpt / 'trainer_state.pt'} holds more than optimizer state and settings "
+                                  f"(refused, nothing was run): {str(exc).splitlines()[0]}") from exc
+        saved = TrainConfig(**state["config"])
+        if dataclasses.replace(saved, steps=cfg.steps) != cfg:
+            raise ValueError(f"--resume with different settings than the run in {out}; only --steps may change")
+        model = load_checkpoint(ckpt, dtype="float32", device=d.device)
+        start = state["step"]
+    elif resume:
+        raise CheckpointError(f"nothing to resume: {ckpt} holds no complete checkpoint")
+    else:
+        if (out / "log.jsonl").exists() and d.main:
+            raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+        model = _build_model(cfg, tokenizer, d.device)
+    model.train()
+    optimizer = _optimizer(model, cfg)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    module: nn.Module = _LossModule(model, cfg.objective_config())
+    if d.world > 1:
+        module = nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
+    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else None
+    eos = tokenizer.special_ids[EOS_TOKEN]
+    data = TokenData(cfg.data, "train", cfg.mix_weights(), eos, cfg.pack)
+    val = TokenData(cfg.data, "val", cfg.mix_weights(), eos, cfg.pack)
+    block = model.config.block_size
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+        _truncate_log(out / "log.jsonl", start)
+    progress = _Progress(cfg.steps, start) if d.main else None
+    record: dict = {}
+    t_last, tokens_since = time.perf_counter(), 0
+    for step in range(start + 1, cfg.steps + 1):
+        lr = lr_at(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = data.batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)
+        sums = _reduce(_run_batch(module, batch, cfg, step, d, block, True, autocast), d)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens_since += int(batch.lengths.sum())
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            now = time.perf_counter()
+            record = {"step": step, "kind": "train", "lr": lr, "grad_norm": grad_norm, **_metrics(sums),
+                      "tokens_per_s": tokens_since / (now - t_last), "tokens_seen": step * cfg.batch_size * cfg.seq_len}
+            record["loss"] = record.get("diffusion_loss", record.get("ar_loss"))
+            t_last, tokens_since = now, 0
+            if d.main:
+                _append_log(out / "log.jsonl", record)
+                progress.show(step, record["loss"], record["tokens_per_s"])
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            model.eval()
+            with torch.no_grad():
+                ev: dict[str, float] = {}
+                for i in range(cfg.eval_batches):
+                    vb = val.batch(cfg.seed + 1_000_000, i, cfg.batch_size, cfg.seq_len)
+                    for k, v in _run_batch(module, vb, cfg, 10**9 + i, d, block, False, autocast).items():
+                        ev[k] = ev.get(k, 0.0) + v
+            model.train()
+            rec = {"step": step, "kind": "eval", **_metrics(_reduce(ev, d))}
+            if d.main:
+                _append_log(out / "log.jsonl", rec)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            if d.main:
+                _save(model, optimizer, cfg, step, ckpt, tokenizer)
+            if d.world > 1:
+                dist.barrier()
+    if progress:
+        progress.close()
+    if d.main:
+        final = out / "model"
+        save_checkpoint(model, final, extra_files=tokenizer.files())
+    return record
+
+
+def _save(model: CloverForCausalLM, optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int, ckpt: Path,
+          tokenizer: Tokenizer) -> None:
+    buf = io.BytesIO()
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(cfg)}, buf)
+    save_checkpoint(model, ckpt, extra_files={"trainer_state.pt": buf.getvalue(), **tokenizer.files()})
+
+
+def _append_log(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the records up to `step` (a resumed run rewrites what followed its checkpoint)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)

@@ -1,0 +1,42 @@
+"""Held-out scores of a checkpoint (the model card's): bits per byte against a direct computation.
+
+(The agent tasks of `clover eval tasks` run through the harness: tests/test_harness.py.)"""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import perturbed_model
+
+from clover.model.config import CloverConfig
+from clover.model.tokenizer import Tokenizer, stdlib_texts
+from clover.training import scores
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train(list(stdlib_texts(300_000)), vocab_size=600)
+
+
+def test_bits_per_byte_matches_a_direct_computation(tok, tmp_path):
+    docs = ["def f(x):\n    return x * 2\n", "import os\nprint(os.getcwd())\n"]
+    (tmp_path / "raw" / "test").mkdir(parents=True)
+    with open(tmp_path / "raw" / "test" / "code.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    config = CloverConfig.preset("debug", vocab_size=640, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    model = perturbed_model(config)
+    got = scores.bits_per_byte(model, tok, tmp_path, "code", window=4)  # windows shorter than the documents
+    nll = 0.0
+    with torch.no_grad():
+        for d in docs:
+            ids = [tok.special_ids["<|endoftext|>"]] + tok.encode(d)
+            for s in range(0, len(ids) - 1, 4):
+                chunk = torch.tensor([ids[s: s + 5]])
+                lp = torch.log_softmax(model(chunk[:, :-1])[0], -1)
+                nll -= float(lp[torch.arange(chunk.shape[1] - 1), chunk[0, 1:]].sum())
+    n = len("".join(docs).encode())
+    assert got["bytes"] == n and abs(got["model_bits_per_byte"] - nll / math.log(2) / n) < 1e-4
+    assert 0 < got["xz9_bits_per_byte"] and 0 < got["gzip9_bits_per_byte"]
