@@ -160,7 +160,8 @@ BAD = [
     ("prompt too long", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "messages"),
     ("max_tokens over context", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, 400, "max_tokens"),
     ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
-    ("logprobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("logprobs from block diffusion", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                       "algorithm": "low_confidence"}, 400, "logprobs"),
     ("thinking not bool", {"messages": [{"role": "user", "content": "x"}],
                            "chat_template_kwargs": {"enable_thinking": "yes"}}, 400, "chat_template_kwargs.enable_thinking"),
 ]

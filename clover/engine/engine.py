@@ -24,7 +24,7 @@ import torch
 
 from clover.engine.policies import POLICIES, Policy
 from clover.engine.prefix_cache import PrefixStore, block_keys
-from clover.engine.sampling import SamplingParams
+from clover.engine.sampling import SamplingParams, TokenLogprob, token_logprobs
 from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
 from clover.model.cache import PrefixCache
 from clover.model.config import GenerationConfig
@@ -99,6 +99,24 @@ class Engine:
             started=time.perf_counter(), stats=GenerationStats(prompt_tokens=len(prompt)),
         ))
         return rid
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: Sequence[int], top_n: int = 0) -> list[TokenLogprob | None]:
+        """The causal head's log-probability of every prompt token given the ones before it (None for the
+        first, which nothing predicts) and the top `top_n` at each position: one causal forward, no cache
+        (the prompt scoring of /v1/completions with echo and logprobs)."""
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {self.config.vocab_size})")
+        if len(ids) > self.config.max_position_embeddings:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context limit of "
+                             f"{self.config.max_position_embeddings} tokens")
+        if len(ids) == 1:
+            return [None]
+        logits = self.model(torch.tensor([ids], device=self.model.device))[0, :-1]
+        return [None, *token_logprobs(logits, ids[1:], top_n)]
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (waiting or running) at once, freeing its cache row."""
@@ -341,13 +359,15 @@ class Engine:
     def is_stop_token(self, s: SequenceState, t: int) -> bool:
         return (t in self.eos_ids and not s.params.ignore_eos) or t in s.params.stop_token_ids
 
-    def emit_final(self, s: SequenceState, tokens: list[int], steps: list[int], events: list[Event]) -> None:
-        """Emit final tokens, ending the sequence at the first stop token among them."""
+    def emit_final(self, s: SequenceState, tokens: list[int], steps: list[int], events: list[Event],
+                   logits: torch.Tensor | None = None) -> None:
+        """Emit final tokens, ending the sequence at the first stop token among them. `logits` [M,V]: the
+        causal head's logits that predicted them (for params.logprobs)."""
         cut = next((j for j, t in enumerate(tokens) if self.is_stop_token(s, t)), None)
-        if cut is None:
-            self.emit(s, tokens, steps, events)
-        else:
-            self.emit(s, tokens[:cut], steps[:cut], events, stopped=True)
+        keep = len(tokens) if cut is None else cut
+        if s.params.logprobs is not None and logits is not None and keep:
+            s.logprobs.extend(token_logprobs(logits[:keep], tokens[:keep], s.params.logprobs))
+        self.emit(s, tokens[:keep], steps[:keep], events, stopped=cut is not None)
 
     def emit(self, s: SequenceState, tokens: list[int], steps: list[int], events: list[Event],
              stopped: bool = False) -> None:
@@ -363,7 +383,7 @@ class Engine:
                 at, end = hit
                 # keep the tokens up to the one that completes the stop string; the text ends before it
                 m = s.ends_at[bisect.bisect_left(s.ends, end)]
-                del s.generated[m:], s.accept_steps[m:]
+                del s.generated[m:], s.accept_steps[m:], s.logprobs[m:]
                 self.finish(s, [], [], "stop", events, text=s.decoded[:at])
                 return
         if stopped:
@@ -372,7 +392,9 @@ class Engine:
         if len(s.generated) >= s.params.max_new_tokens:
             self.finish(s, [], [], "length", events)
             return
-        events.append(Event(s.rid, self._new_tokens(s), self._text_delta(s, final=False)))
+        start = s.emitted
+        events.append(Event(s.rid, self._new_tokens(s), self._text_delta(s, final=False),
+                            logprobs=self._logprobs(s, start)))
 
     def _detokenize(self, s: SequenceState) -> None:
         """Extend `s.decoded` over the new tokens, one token at a time, each decoded only with the few
@@ -396,6 +418,10 @@ class Engine:
         s.searched = len(s.decoded)
         hits = [(at, at + len(stop)) for stop in s.params.stop if (at := s.decoded.find(stop, start)) >= 0]
         return min(hits) if hits else None
+
+    def _logprobs(self, s: SequenceState, start: int) -> list | None:
+        """The log-probabilities of generated[start:] (the tokens an event carries), if requested."""
+        return s.logprobs[start: len(s.generated)] if s.params.logprobs is not None else None
 
     def _new_tokens(self, s: SequenceState) -> list[int]:
         new = s.generated[s.emitted:]
@@ -432,8 +458,10 @@ class Engine:
             request_id=s.rid, prompt_ids=s.prompt, token_ids=list(s.generated),
             text=s.text if self.tokenizer is not None else None, finish_reason=reason, stats=s.stats,
             accept_steps=list(s.accept_steps) if record else None, trace=s.trace if record else None,
+            logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
         )
-        events.append(Event(s.rid, self._new_tokens(s), delta, True, result, error))
+        start = s.emitted
+        events.append(Event(s.rid, self._new_tokens(s), delta, True, result, error, self._logprobs(s, start)))
 
     def _retire(self) -> None:
         for s in [s for s in self.running if s.finish_reason is not None]:

@@ -71,11 +71,12 @@ class AutoRegressive:
     def _token(self, engine: Engine, s: SequenceState, logits: torch.Tensor, events: list[Event]) -> None:
         s.stats.commit_forwards += 1
         s.step += 1
-        token, _ = pick_tokens(engine.mask_out(logits[None]), s.params, s.counts, s.generator)
+        logits = engine.mask_out(logits[None])
+        token, _ = pick_tokens(logits, s.params, s.counts, s.generator)
         t = int(token[0])
         if not engine.is_stop_token(s, t):
             s.counts[t] += 1
-        engine.emit_final(s, [t], [s.step], events)
+        engine.emit_final(s, [t], [s.step], events, logits)
 
 
 class _Blocks:
@@ -334,7 +335,7 @@ class VerifyPolicy(_Blocks):
                 tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
                 confidence=conf.tolist(), accepted=list(range(j, stop)), rejected=[j + kept] if kept < m else [],
             ))
-        engine.emit_final(s, tokens, [s.step] * len(tokens), events)
+        engine.emit_final(s, tokens, [s.step] * len(tokens), events, preds[: len(tokens)])
 
 
 POLICIES: dict[str, type] = {"ar": AutoRegressive, "low_confidence": LowConfidence, "verify": VerifyPolicy}

@@ -13,6 +13,8 @@ import torch
 from clover.model.config import GenerationConfig
 
 ALGORITHMS = ("low_confidence", "ar", "verify")
+LOGPROB_ALGORITHMS = ("ar", "verify")   # their tokens are the causal head's: their log-probabilities are exact
+MAX_LOGPROBS = 20
 # Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows to inf.
 GREEDY_BELOW = 1e-5
 _DEFAULTS = GenerationConfig()
@@ -45,6 +47,7 @@ class SamplingParams:
     block_size: int | None = _DEFAULTS.block_size  # None: the model's block size
     threshold: float = _DEFAULTS.threshold
     max_accept_per_step: int | None = None  # None: no cap
+    logprobs: int | None = None         # per generated token: its log-probability and the top-N (ar, verify)
     record_steps: bool = False          # keep the step that accepted each token and a per-step trace
 
     def with_(self, **changes: object) -> SamplingParams:
@@ -89,6 +92,13 @@ class SamplingParams:
             bad("stop_token_ids", f"token ids in [0, {vocab_size})")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("seed", "a non-negative integer")
+        if self.logprobs is not None:
+            if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+                bad("logprobs", f"an integer between 0 and {MAX_LOGPROBS} (the alternatives per token)")
+            if self.algorithm not in LOGPROB_ALGORITHMS:
+                raise InvalidParameter("logprobs", f"logprobs need a decoder whose tokens come from the causal head: "
+                                       f"algorithm 'ar' or 'verify' (the same tokens), not {self.algorithm!r}, "
+                                       "which commits tokens from the block preview")
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -153,6 +163,23 @@ def pick_tokens(
     probs = token_distribution(logits, params, counts)
     tokens = sample_from(probs, generator)
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+TokenLogprob = tuple[float, list[tuple[int, float]]]   # (the token's log-probability, the top N (id, logprob))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int] | torch.Tensor, top_n: int) -> list[TokenLogprob]:
+    """Log-probabilities of `tokens` [M] under logits [M,V] (the model's distribution, before penalties
+    and temperature, as vLLM reports them by default) and the `top_n` most likely tokens at each row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tokens = torch.as_tensor(tokens, device=lp.device)
+    chosen = lp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+    if top_n:
+        values, ids = lp.topk(top_n, dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [[] for _ in chosen]
+    return list(zip(chosen, tops, strict=True))
 
 
 def _has_penalties(params: SamplingParams) -> bool:

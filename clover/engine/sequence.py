@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from clover.engine.sampling import SamplingParams
+from clover.engine.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -67,6 +67,7 @@ class GenerationResult:
     stats: GenerationStats
     accept_steps: list[int] | None = None   # per generated token: the step that accepted it
     trace: list[StepRecord] | None = None
+    logprobs: list[TokenLogprob] | None = None   # per generated token, when params.logprobs is set
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Event:
     finished: bool = False
     result: GenerationResult | None = None
     error: str | None = None                   # set when this request failed (finish_reason "error")
+    logprobs: list[TokenLogprob] | None = None  # of token_ids, when params.logprobs is set
 
 
 @dataclass(eq=False)  # identity: the engine keeps sequences in lists and tests membership
@@ -94,6 +96,7 @@ class SequenceState:
     row: int = -1
     generated: list[int] = field(default_factory=list)
     accept_steps: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # aligned with `generated` when requested
     trace: list[StepRecord] = field(default_factory=list)
     text: str = ""                             # text already emitted
     emitted: int = 0                           # tokens already emitted

@@ -18,7 +18,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover.engine.engine import Engine, GenerationResult
-from clover.engine.sampling import InvalidParameter, SamplingParams
+from clover.engine.sampling import LOGPROB_ALGORITHMS, MAX_LOGPROBS, InvalidParameter, SamplingParams, TokenLogprob
 from clover.model.chat import ChatFormatError, OutputDelta, StreamingParser
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CloverForCausalLM
@@ -77,6 +77,41 @@ class _Choice:
     content: str = ""
     calls: list[dict] | None = None
     errors: list[str] | None = None
+
+
+def _token_namer(tokenizer: Tokenizer, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text (decoded alone), or "token_id:{id}" (vLLM's
+    return_tokens_as_token_ids, which round-trips exactly)."""
+    return (lambda t: f"token_id:{t}") if as_ids else (lambda t: tokenizer.decode([t]))
+
+
+def _chat_logprobs(name: Callable[[int], str], ids: list[int], logprobs: list[TokenLogprob] | None) -> dict | None:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]} (token text and its
+    UTF-8 bytes decoded one token at a time), or None when not requested."""
+    if logprobs is None:
+        return None
+
+    def entry(token_id: int, lp: float) -> dict:
+        text = name(token_id)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in top]}
+                        for t, (lp, top) in zip(ids, logprobs, strict=True)]}
+
+
+def _completion_logprobs(name: Callable[[int], str], ids: list[int], logprobs: list[TokenLogprob | None] | None,
+                         offset: int) -> dict:
+    """The legacy completions `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob}) and
+    text_offset (from `offset`). A prompt's first token has None (nothing predicts it)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, item in zip(ids, logprobs or [None] * len(ids), strict=True):
+        text = name(token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if item is None else item[0])
+        out["top_logprobs"].append(None if item is None else {name(a): b for a, b in item[1]})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
 
 
 def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig, max_batch_size: int = 32,
@@ -156,9 +191,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             message, param = validation_message(exc)
             raise APIError(400, message, param=param) from exc
 
-    def _params(req: SamplingRequest, max_new: int | None, prompt_len: int, stop: tuple[str, ...]) -> SamplingParams:
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+    def _params(req: SamplingRequest, max_new: int | None, prompt_len: int, stop: tuple[str, ...],
+                logprobs: int | None = None) -> SamplingParams:
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}", param="n")
         _check_model(req.model)
@@ -170,13 +204,17 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_new}) exceeds the context "
                                 f"limit of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
         max_new = max_new or min(cfg.default_max_tokens, room)
+        algorithm = req.algorithm
+        if logprobs is not None and algorithm is None and defaults.algorithm not in LOGPROB_ALGORITHMS:
+            algorithm = "ar"   # a request for logprobs that names no decoder gets one that can give them
         decoding = defaults.merged(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-            algorithm=req.algorithm, block_size=req.block_size, threshold=req.threshold)
+            algorithm=algorithm, block_size=req.block_size, threshold=req.threshold)
         # validated by the engine when the request is added (`_start_error` names the field)
         return SamplingParams(**decoding, max_new_tokens=max_new, seed=req.seed, stop=stop,
-                              ignore_eos=req.ignore_eos, max_accept_per_step=req.max_accept_per_step)
+                              ignore_eos=req.ignore_eos, max_accept_per_step=req.max_accept_per_step,
+                              logprobs=logprobs)
 
     def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -194,14 +232,15 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe, "tpf": completion / nfe if nfe else 0.0,
                 "blocks": sum(c.result.stats.blocks for c in choices if c.result)}
 
-    async def _merged(ids: list[int], params: list[SamplingParams], request: Request | None = None
+    async def _merged(jobs: list[tuple[list[int], SamplingParams]], request: Request | None = None
                       ) -> AsyncIterator[tuple[int, Any]]:
-        """Events of n sequences of one request, tagged with their choice index, in arrival order. With
+        """Events of the sequences of one request ((prompt, params) each: n choices of one or more prompts),
+        tagged with their choice index, in arrival order. With
         `request` (a reply sent whole), a client that hangs up ends the generation: its sequences are
         aborted (a stream is cancelled by the server itself when its client leaves)."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, p: SamplingParams) -> None:
+        async def pump(i: int, ids: list[int], p: SamplingParams) -> None:
             try:
                 async for ev in engine.generate(ids, p):
                     await queue.put((i, ev))
@@ -210,7 +249,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             finally:
                 await queue.put((i, None))
 
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params)]
+        tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
         # the body is read: the next message from the client's side is its disconnect
         watch = asyncio.ensure_future(request.receive()) if request is not None else None
         try:
@@ -265,11 +304,15 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         # templating and tokenising run off the event loop: a huge prompt must not stall other requests
         prompt = await asyncio.to_thread(chat_prompt, req, tokenizer)
         ids, thinking = prompt.ids, prompt.thinking
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_new = req.max_completion_tokens or req.max_tokens
-        params = _n_params(_params(req, max_new, len(ids), _stops(req.stop)), req.n)
+        want = (req.top_logprobs or 0) if req.logprobs else None
+        namer = _token_namer(tokenizer, req.return_tokens_as_token_ids)
+        params = _n_params(_params(req, max_new, len(ids), _stops(req.stop), want), req.n)
         choices = [_Choice(i, prompt.parser()) for i in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        events = _merged(ids, params, None if req.stream else request)
+        events = _merged([(ids, p) for p in params], None if req.stream else request)
         try:
             first = await events.__anext__()
         except StopAsyncIteration:
@@ -279,7 +322,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         except BaseException as exc:
             raise _start_error(exc) from exc
 
-        async def consume() -> AsyncIterator[tuple[_Choice, OutputDelta, bool]]:
+        async def consume() -> AsyncIterator[tuple[_Choice, OutputDelta, bool, dict | None]]:
             pending = [first] if first else []
             while True:
                 if pending:
@@ -296,7 +339,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                     tail = c.parser.finish()
                     delta = OutputDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
                                         delta.tool_calls + tail.tool_calls, tail.errors)
-                yield c, delta, ev.finished
+                yield c, delta, ev.finished, _chat_logprobs(namer, ev.token_ids, ev.logprobs)
 
         def finish_reason(c: _Choice) -> str:
             if c.calls:
@@ -311,7 +354,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             return entry
 
         if not req.stream:
-            async for c, delta, _ in consume():
+            async for c, delta, _, _ in consume():
                 c.reasoning += delta.reasoning
                 c.content += delta.content
                 for call in delta.tool_calls:
@@ -325,7 +368,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                     msg["reasoning_content"] = msg["reasoning"] = c.reasoning
                 if c.calls:
                     msg["tool_calls"] = [{k: v for k, v in e.items() if k != "index"} for e in c.calls]
-                item = {"index": c.index, "message": msg, "finish_reason": finish_reason(c), "logprobs": None}
+                item = {"index": c.index, "message": msg, "finish_reason": finish_reason(c),
+                        "logprobs": _chat_logprobs(namer, c.result.token_ids, c.result.logprobs)}
                 if c.errors:
                     item["clover_parse_errors"] = c.errors
                 out.append(item)
@@ -341,7 +385,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             for c in choices:
                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             try:
-                async for c, delta, done in consume():
+                async for c, delta, done, logprobs in consume():
                     d: dict[str, Any] = {}
                     if delta.reasoning:
                         d["reasoning_content"] = d["reasoning"] = delta.reasoning
@@ -349,8 +393,11 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                         d["content"] = delta.content
                     if delta.tool_calls:
                         d["tool_calls"] = [tool_call_json(c, call) for call in delta.tool_calls]
-                    if d:
-                        yield chunk([{"index": c.index, "delta": d, "finish_reason": None}])
+                    if d or logprobs:
+                        item = {"index": c.index, "delta": d, "finish_reason": None}
+                        if logprobs:
+                            item["logprobs"] = logprobs
+                        yield chunk([item])
                     if done:
                         yield chunk([{"index": c.index, "delta": {}, "finish_reason": finish_reason(c)}])
             except Exception as exc:  # noqa: BLE001 - reported in the stream, the headers are gone
@@ -363,19 +410,80 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     # -- completions --------------------------------------------------------------------------------------
+    MAX_PROMPTS = 64
+
+    async def _prompt_ids(prompt: Any) -> tuple[list[tuple[str | None, list[int]]], bool]:
+        """The request's prompts as (text or None, ids) and whether it was a batch."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(x, int) for x in prompt)):
+            items, batch = [prompt], False
+        else:
+            items, batch = list(prompt), True
+        if not items or len(items) > MAX_PROMPTS:
+            raise APIError(400, f"give 1 to {MAX_PROMPTS} prompts", param="prompt")
+        out = []
+        for item in items:
+            if not item:
+                raise APIError(400, "prompt is empty", param="prompt")
+            if isinstance(item, str):
+                out.append((item, await asyncio.to_thread(tokenizer.encode, item)))
+            else:
+                bad = next((x for x in item if not 0 <= x < model.config.vocab_size), None)
+                if bad is not None:
+                    raise APIError(400, f"prompt token {bad} is outside the vocabulary [0, "
+                                        f"{model.config.vocab_size})", param="prompt")
+                out.append((None, list(item)))
+        return out, batch
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         req: CompletionRequest = await _body(request, CompletionRequest)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if len(prompts) != 1:
-            raise APIError(400, "give one prompt per request", param="prompt")
-        if not prompts[0]:
-            raise APIError(400, "prompt is empty", param="prompt")
-        ids = await asyncio.to_thread(tokenizer.encode, prompts[0])
-        params = _n_params(_params(req, req.max_tokens, len(ids), _stops(req.stop)), req.n)
+        prompts, _ = await _prompt_ids(req.prompt)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens 0 generates nothing; add echo (with logprobs) to score the prompt",
+                           param="max_tokens")
+        if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be at most {MAX_LOGPROBS}", param="logprobs")
+        stops = _stops(req.stop)
+        namer = _token_namer(tokenizer, req.return_tokens_as_token_ids)
+        scoring = req.max_tokens == 0
+        jobs = [] if scoring else [(ids, p) for _, ids in prompts
+                                   for p in _n_params(_params(req, req.max_tokens, len(ids), stops, req.logprobs),
+                                                      req.n)]
+        if scoring:   # the checks a generation gets
+            try:
+                _params(req, None, max(len(ids) for _, ids in prompts), stops).validate(model.config.vocab_size)
+            except InvalidParameter as exc:
+                raise APIError(400, str(exc), param=exc.param) from exc
+        texts = [text if text is not None else tokenizer.decode(ids) for text, ids in prompts]
+        scores: list[list | None] = [None] * len(prompts)
+        if req.echo and req.logprobs is not None:
+            try:
+                scores = [await engine.call(lambda e, ids=ids: e.score(ids, req.logprobs)) for _, ids in prompts]
+            except BaseException as exc:
+                raise _start_error(exc) from exc
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        choices = [_Choice(i, None) for i in range(req.n)]
-        events = _merged(ids, params, None if req.stream else request)
+        n = 1 if scoring else req.n
+        choices = [_Choice(i, None) for i in range(len(prompts) * n)]
+        echo = [(texts[i // n], prompts[i // n][1], scores[i // n]) for i in range(len(choices))]
+
+        def head(i: int) -> tuple[str, dict | None]:
+            """What a choice starts with: the echoed prompt and, with logprobs, its scores."""
+            if not req.echo:
+                return "", None
+            text, ids, score = echo[i]
+            return text, None if req.logprobs is None else _completion_logprobs(namer, ids, score, 0)
+
+        usage = {"prompt_tokens": sum(len(ids) for _, ids in prompts)}
+        if scoring:
+            out = []
+            for c in choices:
+                text, logprobs = head(c.index)
+                out.append({"index": c.index, "text": text, "finish_reason": "length", "logprobs": logprobs})
+            usage |= {"completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+            return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
+                    "choices": out, "usage": usage}
+
+        events = _merged(jobs, None if req.stream else request)
         try:
             first = await events.__anext__()
         except ClientGone:
@@ -391,33 +499,56 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             async for item in events:
                 yield item
 
+        def usage_of(choices_: list[_Choice]) -> dict:
+            done = sum(c.result.stats.generated_tokens for c in choices_ if c.result)
+            nfe = sum(c.result.stats.nfe for c in choices_ if c.result)
+            return usage | {"completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done, "nfe": nfe,
+                            "tpf": done / nfe if nfe else 0.0}
+
         if not req.stream:
-            texts = [prompts[0] if req.echo else "" for _ in choices]
             async for i, ev in each():
-                texts[i] += ev.text
                 if ev.finished:
                     choices[i].result = ev.result
+            out = []
+            for c in choices:
+                text, logprobs = head(c.index)
+                if logprobs is not None:
+                    tail = _completion_logprobs(namer, c.result.token_ids, c.result.logprobs, len(text))
+                    logprobs = {k: logprobs[k] + tail[k] for k in logprobs}
+                elif req.logprobs is not None:
+                    logprobs = _completion_logprobs(namer, c.result.token_ids, c.result.logprobs, 0)
+                out.append({"index": c.index, "text": text + c.result.text, "finish_reason": reason(c.result),
+                            "logprobs": logprobs})
             return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                    "choices": [{"index": c.index, "text": texts[c.index], "finish_reason": reason(c.result),
-                                 "logprobs": None} for c in choices], "usage": _usage(len(ids), choices)}
+                    "choices": out, "usage": usage_of(choices)}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def sse() -> AsyncIterator[str]:
-            def body(items: list[dict], usage: dict | None = None) -> str:
-                return chunk_event("text_completion", rid, created, cfg.model_name, items, usage)
+            def body(items: list[dict], usage_: dict | None = None) -> str:
+                return chunk_event("text_completion", rid, created, cfg.model_name, items, usage_)
 
+            offsets = [0] * len(choices)
+            for c in choices:
+                text, logprobs = head(c.index)
+                if text:
+                    offsets[c.index] = len(text)
+                    yield body([{"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": None}])
             try:
                 async for i, ev in each():
                     if ev.finished:
                         choices[i].result = ev.result
-                    yield body([{"index": i, "text": ev.text, "logprobs": None,
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = _completion_logprobs(namer, ev.token_ids, ev.logprobs, offsets[i])
+                    offsets[i] += len(ev.text)
+                    yield body([{"index": i, "text": ev.text, "logprobs": logprobs,
                                  "finish_reason": reason(ev.result) if ev.finished else None}])
             except Exception as exc:  # noqa: BLE001 - reported in the stream, the headers are gone
                 yield error_event(_start_error(exc))
                 return
             if include_usage:
-                yield body([], _usage(len(ids), choices))
+                yield body([], usage_of(choices))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")

@@ -9,9 +9,9 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -72,6 +72,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._submit: list[tuple[str, list[int], SamplingParams]] = []
         self._abort: list[str] = []
+        self._calls: list[tuple[Callable[[Engine], Any], asyncio.Future]] = []
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
@@ -132,6 +133,38 @@ class AsyncEngine:
                     self.stats.aborted += 1
                 self._wake.set()
 
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between two steps (the model is never used by two threads
+        at once) and return its result; its exception is raised here. Used for prompt scoring."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if self._stop:
+                raise QueueFull("the server is shutting down")
+            self._calls.append((fn, future))
+        self._wake.set()
+        return await future
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            try:
+                with torch.inference_mode():
+                    outcome, ok = fn(self.engine), True
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                outcome, ok = exc, False
+            setter = future.set_result if ok else future.set_exception
+
+            def settle(future: asyncio.Future = future, setter: Callable = setter, outcome: Any = outcome) -> None:
+                if not future.done():   # the caller may have gone (cancelled)
+                    setter(outcome)
+
+            try:
+                future.get_loop().call_soon_threadsafe(settle)
+            except RuntimeError:  # the caller's event loop is gone
+                pass
+
     def _deliver(self, rid: str, item: Event | BaseException) -> None:
         with self._lock:
             stream = self._streams.get(rid)
@@ -165,6 +198,7 @@ class AsyncEngine:
                 except ValueError as exc:
                     self._records.pop(rid, None)
                     self._deliver(rid, exc)
+            self._run_calls()
             if self._stop and not self.engine.has_unfinished():
                 return
             if not self.engine.has_unfinished():

@@ -102,7 +102,6 @@ class SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | None = None
     user: str | None = None
     # Clover's knobs
     algorithm: Literal["low_confidence", "ar", "verify"] | None = None
@@ -112,9 +111,12 @@ class SamplingRequest(_Strict):
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = False    # vLLM's: logprobs name tokens "token_id:{id}"
 
 
 class ChatRequest(SamplingRequest):
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
     messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -125,8 +127,14 @@ class ChatRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str]
+    """A text completion: one prompt or a batch (text or token ids); `logprobs` N gives each token's
+    log-probability and the N most likely; `echo` returns (and with logprobs scores) the prompt too,
+    and with `max_tokens` 0 only that: lm-eval's log-likelihood requests."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0)
 
 
 class TokenizeRequest(_Strict):

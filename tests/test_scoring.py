@@ -1,0 +1,134 @@
+"""Log-likelihood scoring and logprobs over the OpenAI API (issue 14 item 3): the request shapes
+lm-eval sends (echo + logprobs, token-id and batched prompts, max_tokens 0 or 1), chat logprobs for
+`ar` and `verify`, and a clear refusal for block diffusion. Every figure is checked against a direct
+causal forward of the same model."""
+
+import httpx
+import pytest
+import torch
+from conftest import perturbed_model
+
+from clover.model.config import CloverConfig
+from clover.model.tokenizer import Tokenizer, stdlib_texts
+from clover.serving.app import ServerConfig, build_app
+from clover.serving.local import serve_in_thread
+
+THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def served():
+    torch.manual_seed(0)
+    tok = Tokenizer.train(list(stdlib_texts(200_000)), vocab_size=500)
+    config = CloverConfig.preset("debug", vocab_size=512, mask_token_id=511, eos_token_id=tok.eos_token_ids)
+    model = perturbed_model(config, scale=0.5)
+    app = build_app(model, tok, ServerConfig(model_name="m"))   # default algorithm: low_confidence
+    with serve_in_thread(app) as url:
+        yield url + "/v1", model, tok
+
+
+def _direct(model, ids):
+    """log p(ids[i] | ids[:i]) for i >= 1, and the log-softmax rows that give them."""
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids]))[0].float(), -1)
+    return [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))], lp
+
+
+def _post(url, path, body):
+    r = httpx.post(url + path, json={"model": "m", **body}, timeout=120)
+    return r.status_code, r.json()
+
+
+def test_loglikelihood_request_of_lm_eval(served):
+    """lm-eval's loglikelihood: token ids, echo, logprobs 1, max_tokens 1 (or 0), temperature 0."""
+    url, model, tok = served
+    ids = tok.encode("def add(a, b):\n    return a + b\n")
+    want, lp = _direct(model, ids)
+    for max_tokens in (0, 1):
+        status, body = _post(url, "/completions", {"prompt": ids, "echo": True, "logprobs": 1,
+                                                    "max_tokens": max_tokens, "temperature": 0})
+        assert status == 200, body
+        got = body["choices"][0]["logprobs"]
+        assert got["token_logprobs"][0] is None and len(got["tokens"]) == len(ids) + max_tokens
+        assert got["token_logprobs"][1: len(ids)] == pytest.approx(want, abs=1e-4)
+        # is_greedy as lm-eval reads it: the top token of each position against the prompt's token
+        top = [max(d, key=d.get) for d in got["top_logprobs"][1: len(ids)]]
+        assert top == [tok.decode([int(lp[i - 1].argmax())]) for i in range(1, len(ids))]
+        assert body["choices"][0]["text"].startswith(tok.decode(ids))
+        assert got["text_offset"][:2] == [0, len(tok.decode(ids[:1]))]
+    assert body["usage"]["completion_tokens"] == 1
+
+
+def test_batched_and_text_prompts_are_scored_each(served):
+    url, model, tok = served
+    texts = ["import os\nprint(os.getcwd())", "x = [i * i for i in range(10)]"]
+    status, body = _post(url, "/completions", {"prompt": texts, "echo": True, "logprobs": 3, "max_tokens": 0})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+    for text, choice in zip(texts, body["choices"], strict=True):
+        want, _ = _direct(model, tok.encode(text))
+        assert choice["text"] == text
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+        # {token text: logprob}: two ids that decode alike (partial UTF-8 bytes) share a key, as in vLLM
+        assert all(1 <= len(d) <= 3 for d in choice["logprobs"]["top_logprobs"][1:])
+    status, body = _post(url, "/completions", {"prompt": [tok.encode(t) for t in texts], "max_tokens": 4,
+                                                "temperature": 0, "n": 2, "algorithm": "ar"})
+    assert status == 200 and len(body["choices"]) == 4 and body["choices"][0]["text"] == body["choices"][1]["text"]
+
+
+@pytest.mark.parametrize("algorithm", ["ar", "verify", None])
+def test_chat_logprobs_are_the_causal_heads(served, algorithm):
+    """Each generated token's logprob equals the teacher-forced causal forward over prompt + reply;
+    greedy picks the top token; ar and verify (the same tokens) give the same figures, and a request
+    that names no algorithm gets a decoder that can give them."""
+    url, model, tok = served
+    messages = [{"role": "user", "content": "Write a loop."}]
+    extra = {"algorithm": algorithm} if algorithm else {}
+    status, body = _post(url, "/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0,
+                                                     "logprobs": True, "top_logprobs": 2, "ignore_eos": True,
+                                                     "return_tokens_as_token_ids": True, **THINK_OFF, **extra})
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 12
+    prompt = tok.encode_chat(messages, enable_thinking=False)
+    reply = [int(c["token"].removeprefix("token_id:")) for c in content]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt + reply]))[0].float(), -1)
+    for i, c in enumerate(content):
+        row = lp[len(prompt) - 1 + i]
+        row[model.config.mask_token_id] = -torch.inf   # never an output
+        row = torch.log_softmax(row, -1)
+        assert c["logprob"] == pytest.approx(float(row.max()), abs=1e-4)          # greedy: the top token
+        assert [t["logprob"] for t in c["top_logprobs"]] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+        assert c["top_logprobs"][0]["logprob"] == pytest.approx(c["logprob"], abs=1e-6)
+
+
+def test_streamed_chat_logprobs_equal_the_whole_reply(served):
+    url, _, _ = served
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "temperature": 0,
+            "logprobs": True, "algorithm": "verify", "ignore_eos": True, **THINK_OFF}
+    whole = httpx.post(url + "/chat/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]["content"]
+    streamed = []
+    with httpx.stream("POST", url + "/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                for ch in json.loads(line[6:])["choices"]:
+                    streamed += (ch.get("logprobs") or {}).get("content", [])
+    assert [c["logprob"] for c in streamed] == pytest.approx([c["logprob"] for c in whole], abs=1e-6)
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "algorithm": "low_confidence"},
+     "logprobs", "algorithm 'ar' or 'verify'"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "add echo"),
+    ({"prompt": "x", "logprobs": 50, "echo": True, "max_tokens": 0}, "logprobs", "at most 20"),
+    ({"prompt": [1, 2, 99999], "max_tokens": 2}, "prompt", "outside the vocabulary"),
+    ({"prompt": [], "max_tokens": 2}, "prompt", "1 to 64 prompts"),
+])
+def test_what_cannot_be_scored_is_refused_clearly(served, body, param, message):
+    url, _, _ = served
+    path = "/chat/completions" if "messages" in body else "/completions"
+    status, out = _post(url, path, body)
+    assert status == 400 and out["error"]["param"] == param and message in out["error"]["message"], out
