@@ -203,7 +203,7 @@ def test_template_renders_as_the_legacy_template_did():
     from clover.model import tokenizer as tokenizer_module
     from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments
 
-    legacy = (Path(__file__).parent / "data" / "legacy_chat_template.jinja").read_text()
+    legacy = (Path(__file__).parent / "fixtures" / "legacy_chat_template.jinja").read_text()
     assert hashlib.sha256(legacy.encode()).hexdigest() == tokenizer_module._LEGACY_TEMPLATE_SHA256
     old_env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False, keep_trailing_newline=True)
     old_env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)

@@ -26,6 +26,7 @@ from clover.engine.policies import POLICIES, Policy
 from clover.engine.prefix_cache import PrefixStore, block_keys
 from clover.engine.sampling import SamplingParams, TokenLogprob, token_logprobs
 from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
+from clover.engine.structured import GrammarCompiler
 from clover.model.cache import PrefixCache
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CloverForCausalLM
@@ -65,6 +66,7 @@ class Engine:
         self._ids = itertools.count()
         self.forward_seconds = 0.0  # wall time inside model forwards, all sequences together
         self.prefix = PrefixStore(self.config.block_size, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self._grammars: GrammarCompiler | None = None   # built at the first constrained request
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -91,12 +93,19 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if any(s.rid == rid for s in itertools.chain(self.waiting, self.running)):
             raise ValueError(f"request id {rid!r} is already in use")
+        matcher = None
+        if params.constraint is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer")
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
+            matcher = self._grammars.matcher(params.constraint)    # GrammarError (a ValueError) if it does not compile
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.waiting.append(SequenceState(
             rid=rid, prompt=prompt, params=params, block_size=GenerationConfig.resolve_block_size(params.block_size, self.config),
             generator=torch.Generator().manual_seed(seed), counts=torch.zeros(self.config.vocab_size,
                                                                               device=self.model.device),
-            started=time.perf_counter(), stats=GenerationStats(prompt_tokens=len(prompt)),
+            started=time.perf_counter(), stats=GenerationStats(prompt_tokens=len(prompt)), matcher=matcher,
         ))
         return rid
 
@@ -358,6 +367,17 @@ class Engine:
 
     def is_stop_token(self, s: SequenceState, t: int) -> bool:
         return (t in self.eos_ids and not s.params.ignore_eos) or t in s.params.stop_token_ids
+
+    def hold_stops(self, s: SequenceState, logits: torch.Tensor, first: int) -> torch.Tensor:
+        """min_tokens: logits [M,V] of response positions first .. first+M-1 with every stop token at -inf
+        where the position is below params.min_tokens."""
+        early = s.params.min_tokens - first
+        if early <= 0:
+            return logits
+        stops = sorted(t for t in (*self.eos_ids, *s.params.stop_token_ids) if self.is_stop_token(s, t))
+        logits = logits.clone()
+        logits[:early, stops] = float("-inf")
+        return logits
 
     def emit_final(self, s: SequenceState, tokens: list[int], steps: list[int], events: list[Event],
                    logits: torch.Tensor | None = None) -> None:

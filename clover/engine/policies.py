@@ -72,11 +72,14 @@ class AutoRegressive:
         s.stats.commit_forwards += 1
         s.step += 1
         logits = engine.mask_out(logits[None])
-        token, _ = pick_tokens(logits, s.params, s.counts, s.generator)
+        allowed = engine.hold_stops(s, logits if s.matcher is None else s.matcher.mask(logits), len(s.generated))
+        token, _ = pick_tokens(allowed, s.params, s.counts, s.generator)
         t = int(token[0])
+        if s.matcher is not None:
+            s.matcher.consume([t])
         if not engine.is_stop_token(s, t):
             s.counts[t] += 1
-        engine.emit_final(s, [t], [s.step], events, logits)
+        engine.emit_final(s, [t], [s.step], events, logits)   # logprobs: the model's, before the grammar
 
 
 class _Blocks:
@@ -168,8 +171,17 @@ class LowConfidence(_Blocks):
         """One denoising step on s.block given its preview logits [S,V]."""
         s.step += 1
         p = s.params
+        if s.matcher is not None:
+            self._accept_in_order(engine, s, logits)
+            return
         masked = (~s.resolved).nonzero().squeeze(-1)                            # [M]
-        tokens, conf = pick_tokens(engine.mask_out(logits[masked]), p, s.counts, s.generator)
+        logits = engine.mask_out(logits)
+        if p.min_tokens:   # slot k holds response position len(generated) + k - fixed
+            logits = engine.hold_stops(s, logits[s.fixed:], len(s.generated))
+            masked_rows = masked - s.fixed
+        else:
+            masked_rows = masked
+        tokens, conf = pick_tokens(logits[masked_rows], p, s.counts, s.generator)
         accept = conf >= p.threshold
         if not bool(accept.any()):
             accept[conf.argmax()] = True
@@ -204,6 +216,43 @@ class LowConfidence(_Blocks):
                 step=s.step, block=s.pos // s.block_size, start=s.pos, fixed=s.fixed,
                 tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
                 confidence=confidence.tolist(), accepted=sorted(accepted),
+            ))
+
+
+    def _accept_in_order(self, engine: Engine, s: SequenceState, logits: torch.Tensor) -> None:
+        """A step under a grammar: the leftmost unresolved slot is accepted (its prediction masked by the
+        grammar), then each following slot while its masked prediction is confident enough; the grammar
+        reads each accepted token (slots resolve left to right, several per step)."""
+        p = s.params
+        first = int(s.resolved.sum())                                          # resolved slots are a prefix
+        accepted: list[int] = []
+        draft, confidence = s.block.clone(), torch.ones(len(s.block))
+        for slot in range(first, len(s.block)):
+            if p.max_accept_per_step is not None and len(accepted) == p.max_accept_per_step:
+                break
+            row = s.matcher.mask(engine.mask_out(logits[slot: slot + 1]))
+            row = engine.hold_stops(s, row, len(s.generated) + slot - s.fixed)
+            token, conf = pick_tokens(row, p, s.counts, s.generator)
+            draft[slot], confidence[slot] = token[0], float(conf[0])
+            if accepted and float(conf[0]) < p.threshold:
+                break
+            t = int(token[0])
+            s.matcher.consume([t])
+            s.block[slot], s.resolved[slot], s.block_steps[slot] = t, True, s.step
+            accepted.append(slot)
+            s.counts[t] += 1
+            if t in engine.eos_ids:                                            # the reply ends in this block
+                rest = list(range(slot + 1, len(s.block)))
+                s.block[slot + 1:], s.resolved[slot + 1:] = t, True
+                for r in rest:
+                    s.block_steps[r] = s.step
+                accepted += rest
+                break
+        if p.record_steps:
+            s.trace.append(StepRecord(
+                step=s.step, block=s.pos // s.block_size, start=s.pos, fixed=s.fixed,
+                tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
+                confidence=confidence.tolist(), accepted=accepted,
             ))
 
 
@@ -309,14 +358,21 @@ class VerifyPolicy(_Blocks):
         preds = causal[max(j - 1, 0): end]                     # predictions for slots j .. end
         if j == 0:
             preds = torch.cat([s.carry[None], preds])
-        preds = engine.mask_out(preds[: len(s.block) - j])
+        preds = raw = engine.mask_out(preds[: len(s.block) - j])
         m = end - j                                            # drafts checked
+        if s.matcher is not None:   # each row masked by the grammar state after the drafts before it
+            allowed = torch.stack(s.matcher.masks_along(s.drafts[j:end].tolist())[: len(preds)]).to(preds.device)
+            preds = preds.clone()
+            preds[: len(allowed)] = preds[: len(allowed)].masked_fill(~allowed, float("-inf"))
+        preds = engine.hold_stops(s, preds, len(s.generated))   # row i: response position len + i
         probs = None if s.draft_probs is None else s.draft_probs[j:end]
         tokens, kept = verify_drafts(preds[:m], s.drafts[j:end], probs, s.params, s.counts, s.generator)
         if kept == m and end < len(s.block):                   # every draft kept: the causal head goes on
             t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])  # as `ar` picks
             tokens.append(t)
             s.counts[t] += 1
+        if s.matcher is not None:
+            s.matcher.consume(tokens)
         s.step += 1
         stop = j + len(tokens)
         s.block[j:stop] = torch.tensor(tokens, device=s.block.device)
@@ -335,7 +391,7 @@ class VerifyPolicy(_Blocks):
                 tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
                 confidence=conf.tolist(), accepted=list(range(j, stop)), rejected=[j + kept] if kept < m else [],
             ))
-        engine.emit_final(s, tokens, [s.step] * len(tokens), events, preds[: len(tokens)])
+        engine.emit_final(s, tokens, [s.step] * len(tokens), events, raw[: len(tokens)])
 
 
 POLICIES: dict[str, type] = {"ar": AutoRegressive, "low_confidence": LowConfidence, "verify": VerifyPolicy}

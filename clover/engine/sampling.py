@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from clover.engine.structured import Constraint
 from clover.model.config import GenerationConfig
 
 ALGORITHMS = ("low_confidence", "ar", "verify")
@@ -48,6 +49,9 @@ class SamplingParams:
     threshold: float = _DEFAULTS.threshold
     max_accept_per_step: int | None = None  # None: no cap
     logprobs: int | None = None         # per generated token: its log-probability and the top-N (ar, verify)
+    constraint: Constraint | None = None   # a grammar the reply must match (structured output)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit), OpenAI's
+    min_tokens: int = 0                 # no stop token before this many generated tokens
     record_steps: bool = False          # keep the step that accepted each token and a per-step trace
 
     def with_(self, **changes: object) -> SamplingParams:
@@ -92,6 +96,14 @@ class SamplingParams:
             bad("stop_token_ids", f"token ids in [0, {vocab_size})")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("seed", "a non-negative integer")
+        if any(not isinstance(i, int) or not 0 <= i < vocab_size or not math.isfinite(b) or not -100 <= b <= 100
+               for i, b in self.logit_bias) or len(self.logit_bias) > 1024:
+            bad("logit_bias", f"up to 1024 token ids in [0, {vocab_size}) with biases between -100 and 100")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_new_tokens:
+            bad("min_tokens", "an integer between 0 and max_tokens")
+        if self.constraint is not None and self.ignore_eos:
+            bad("ignore_eos", "off with a grammar (structured output), which ends the reply when it is complete")
         if self.logprobs is not None:
             if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_LOGPROBS:
                 bad("logprobs", f"an integer between 0 and {MAX_LOGPROBS} (the alternatives per token)")
@@ -105,7 +117,8 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: Sampling
     """logits [M,V] fp32; counts [V] occurrences of each token in the response so far.
 
     repetition (CTRL / transformers): seen tokens' logits divided by the penalty when positive,
-    multiplied when negative; presence and frequency (OpenAI): minus p * [seen] minus f * count.
+    multiplied when negative; presence and frequency (OpenAI): minus p * [seen] minus f * count;
+    then logit_bias added (OpenAI).
     """
     if params.repetition_penalty != 1.0:
         seen = counts > 0
@@ -113,6 +126,10 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: Sampling
         logits = torch.where(seen, penalised, logits)
     if params.presence_penalty or params.frequency_penalty:
         logits = logits - params.presence_penalty * (counts > 0).float() - params.frequency_penalty * counts
+    if params.logit_bias:
+        ids = torch.tensor([i for i, _ in params.logit_bias], device=logits.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], device=logits.device, dtype=logits.dtype)
+        logits = logits.index_add(-1, ids, bias.expand(*logits.shape[:-1], -1))
     return logits
 
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from clover.engine.sampling import SamplingParams, TokenLogprob
+from clover.engine.structured import Matcher
 
 
 @dataclass
@@ -97,6 +98,7 @@ class SequenceState:
     generated: list[int] = field(default_factory=list)
     accept_steps: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # aligned with `generated` when requested
+    matcher: Matcher | None = None             # the grammar state of a constrained sequence
     trace: list[StepRecord] = field(default_factory=list)
     text: str = ""                             # text already emitted
     emitted: int = 0                           # tokens already emitted

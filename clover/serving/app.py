@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover.engine.engine import Engine, GenerationResult
 from clover.engine.sampling import LOGPROB_ALGORITHMS, MAX_LOGPROBS, InvalidParameter, SamplingParams, TokenLogprob
+from clover.engine.structured import Constraint
 from clover.model.chat import ChatFormatError, OutputDelta, StreamingParser
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CloverForCausalLM
@@ -37,7 +39,7 @@ from clover.model.tokenizer import Tokenizer
 from clover.serving.async_engine import AsyncEngine, QueueFull
 from clover.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from clover.serving.metrics import ServerMetrics
-from clover.serving.prompts import chat_prompt, messages_from, thinking_from, tools_from
+from clover.serving.prompts import chat_prompt, constraint_from, messages_from, thinking_from, tools_from
 from clover.serving.protocol import (
     MAX_N,
     MAX_STOP_CHARS,
@@ -156,6 +158,13 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # a request that failed inside the engine (its generation ended with an error) or a bug:
+        # the OpenAI error shape with status 500, never a bare traceback page
+        logging.getLogger("clover").error("request failed: %s", exc)
+        return error_response(500, f"internal error: {exc}", "server_error")
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
@@ -192,7 +201,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             raise APIError(400, message, param=param) from exc
 
     def _params(req: SamplingRequest, max_new: int | None, prompt_len: int, stop: tuple[str, ...],
-                logprobs: int | None = None) -> SamplingParams:
+                logprobs: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}", param="n")
         _check_model(req.model)
@@ -211,10 +220,16 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             algorithm=algorithm, block_size=req.block_size, threshold=req.threshold)
+        bias = []
+        for key, value in (req.logit_bias or {}).items():
+            if not key.isdigit():
+                raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+            bias.append((int(key), float(value)))
         # validated by the engine when the request is added (`_start_error` names the field)
         return SamplingParams(**decoding, max_new_tokens=max_new, seed=req.seed, stop=stop,
                               ignore_eos=req.ignore_eos, max_accept_per_step=req.max_accept_per_step,
-                              logprobs=logprobs)
+                              logprobs=logprobs, constraint=constraint, logit_bias=tuple(bias),
+                              min_tokens=req.min_tokens)
 
     def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -299,8 +314,6 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req: ChatRequest = await _body(request, ChatRequest)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
         # templating and tokenising run off the event loop: a huge prompt must not stall other requests
         prompt = await asyncio.to_thread(chat_prompt, req, tokenizer)
         ids, thinking = prompt.ids, prompt.thinking
@@ -309,7 +322,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         max_new = req.max_completion_tokens or req.max_tokens
         want = (req.top_logprobs or 0) if req.logprobs else None
         namer = _token_namer(tokenizer, req.return_tokens_as_token_ids)
-        params = _n_params(_params(req, max_new, len(ids), _stops(req.stop), want), req.n)
+        params = _n_params(_params(req, max_new, len(ids), _stops(req.stop), want, prompt.constraint), req.n)
         choices = [_Choice(i, prompt.parser()) for i in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         events = _merged([(ids, p) for p in params], None if req.stream else request)
@@ -346,7 +359,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 return "tool_calls"
             return "length" if c.result.finish_reason == "length" else "stop"
 
-        def tool_call_json(c: _Choice, call: Any) -> dict:
+        def tool_call_json(c: _Choice, call: Any) -> dict | None:
+            if c.calls and req.parallel_tool_calls is False:
+                return None   # one call only: later ones are dropped
             c.calls = c.calls or []
             entry = {"index": len(c.calls), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                      "function": {"name": call.name, "arguments": call.arguments_json()}}
@@ -391,8 +406,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                         d["reasoning_content"] = d["reasoning"] = delta.reasoning
                     if delta.content:
                         d["content"] = delta.content
-                    if delta.tool_calls:
-                        d["tool_calls"] = [tool_call_json(c, call) for call in delta.tool_calls]
+                    calls = [e for e in (tool_call_json(c, call) for call in delta.tool_calls) if e is not None]
+                    if calls:
+                        d["tool_calls"] = calls
                     if d or logprobs:
                         item = {"index": c.index, "delta": d, "finish_reason": None}
                         if logprobs:
@@ -446,9 +462,10 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         stops = _stops(req.stop)
         namer = _token_namer(tokenizer, req.return_tokens_as_token_ids)
         scoring = req.max_tokens == 0
+        constraint = constraint_from(req)
         jobs = [] if scoring else [(ids, p) for _, ids in prompts
-                                   for p in _n_params(_params(req, req.max_tokens, len(ids), stops, req.logprobs),
-                                                      req.n)]
+                                   for p in _n_params(_params(req, req.max_tokens, len(ids), stops, req.logprobs,
+                                                              constraint), req.n)]
         if scoring:   # the checks a generation gets
             try:
                 _params(req, None, max(len(ids) for _, ids in prompts), stops).validate(model.config.vocab_size)
@@ -604,7 +621,6 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,
           dtype: str, device: str, model_name: str | None, prefix_cache_bytes: int = 0,
           max_prefill_tokens: int | None = None) -> None:
-    import logging
 
     import uvicorn
 

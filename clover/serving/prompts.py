@@ -1,18 +1,114 @@
-"""Chat requests as prompts: OpenAI messages and tools in the chat template's terms, and tool_choice.
+"""Chat requests as prompts: OpenAI messages and tools in the chat template's terms, tool_choice, and the
+grammar a reply must match (structured output; a constrained reply starts without a reasoning block).
 
-`tool_choice` "required" or a named function is honoured by pre-filling the start of a tool call after
-an empty think block (the model then writes the call; our design, no constrained decoding). "none"
-hides the tools from the prompt and keeps tool-call markup in the text.
+`tool_choice` "required" or a named function pre-fills the start of a tool call after an empty think
+block, and a grammar (`tool_call_grammar`) holds the rest of the call to the tools' schemas, so the
+reply is always a valid call. "none" hides the tools from the prompt and keeps tool-call markup in the
+text.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from clover.engine.structured import JSON_STYLE, Constraint
 from clover.model.chat import ChatFormatError, StreamingParser, validate_tools
 from clover.model.tokenizer import Tokenizer
-from clover.serving.protocol import APIError, ChatRequest, MessageIn, NamedToolChoice, ToolDef
+from clover.serving.protocol import APIError, ChatRequest, MessageIn, NamedToolChoice, SamplingRequest, ToolDef
+
+
+def constraint_from(req: SamplingRequest) -> Constraint | None:
+    """The grammar a request asks its reply to match: OpenAI's response_format (json_object,
+    json_schema), or vLLM's guided_json / guided_regex / guided_choice / guided_grammar (Lark) or
+    structured_outputs. At most one."""
+    found: list[tuple[str, Constraint]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", Constraint("json_object")))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError(400, "response_format json_schema needs a json_schema object with a schema",
+                           param="response_format.json_schema")
+        found.append(("response_format", Constraint.json_schema(rf.json_schema.schema_)))
+    so = req.structured_outputs
+    for name, value, kind in (("guided_json", req.guided_json, "json_schema"), ("guided_regex", req.guided_regex, "regex"),
+                              ("guided_choice", req.guided_choice, "choice"), ("guided_grammar", req.guided_grammar, "lark"),
+                              ("structured_outputs.json", so and so.json_schema, "json_schema"),
+                              ("structured_outputs.regex", so and so.regex, "regex"),
+                              ("structured_outputs.choice", so and so.choice, "choice"),
+                              ("structured_outputs.grammar", so and so.grammar, "lark")):
+        if value is None:
+            continue
+        if kind == "json_schema":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise APIError(400, f"{name} is not JSON: {exc}", param=name) from exc
+            if not isinstance(value, dict):
+                raise APIError(400, f"{name} must be a JSON schema object", param=name)
+            found.append((name, Constraint.json_schema(value)))
+        elif kind == "choice":
+            if not value or not all(isinstance(c, str) and c for c in value):
+                raise APIError(400, f"{name} must be a list of non-empty strings", param=name)
+            found.append((name, Constraint("choice", json.dumps(value))))
+        else:
+            found.append((name, Constraint(kind, value)))
+    if so is not None and so.json_object:
+        found.append(("structured_outputs.json_object", Constraint("json_object")))
+    if len(found) > 1:
+        raise APIError(400, f"give one structured-output constraint, not {', '.join(n for n, _ in found)}",
+                       param=found[1][0])
+    return found[0][1] if found else None
+
+
+NL = "\n"
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text)   # a Lark string literal, written as a JSON string
+
+
+def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open_id: int, close_id: int) -> str:
+    """A Lark grammar (llguidance) for what follows the pre-filled start of a forced tool call: the
+    parameters of `named` (whose `<function=...>` line is pre-filled), or, for "required", one of the
+    tools (after the pre-filled `<tool_call>`), then `</tool_call>`; with `parallel`, more calls may
+    follow. Parameters: the required ones in schema order, then each optional one or not; a string value
+    is one line without '<' (the call format ends it at the next line; at most maxLength characters) or
+    one of its enum, written raw; other values are JSON matching their schema."""
+    rules, names = [], []
+    for k, tool in enumerate(tools):
+        fn = tool["function"]
+        schema = fn.get("parameters") or {}
+        props = schema.get("properties") or {}
+        required = [p for p in schema.get("required") or [] if p in props]
+        parts = []
+        for i, name in enumerate(required + [p for p in props if p not in required]):
+            value_schema = props[name] if isinstance(props[name], dict) else {}
+            enum = value_schema.get("enum")
+            if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+                value = "(" + " | ".join(_lit(e) for e in enum) + ")"      # written raw, as strings are
+            elif value_schema.get("type") == "string":
+                value = f"STRING_{k}_{i}"
+                most = value_schema.get("maxLength")
+                bound = f"{{0,{int(most)}}}" if isinstance(most, int) and most >= 0 else "*"
+                rules.append(f"{value}: /[^<\\n]{bound}/")
+            else:
+                value = f"value_{k}_{i}"
+                rules.append(f"{value}: %json {json.dumps({**value_schema, 'x-guidance': JSON_STYLE})}")
+            head, tail = _lit(f"<parameter={name}>" + NL), _lit(NL + "</parameter>" + NL)
+            rules.append(f"param_{k}_{i}: {head} {value} {tail}")
+            parts.append(f"param_{k}_{i}" + ("" if name in required else "?"))
+        rules.append(f"params_{k}: {' '.join(parts) or _lit('')}")
+        rules.append(f"call_{k}: {_lit('<function=' + fn['name'] + '>' + NL)} params_{k}")
+        names.append(fn["name"])
+    close = f"{_lit('</function>' + NL)} <[{close_id}]>"
+    any_call = "(" + " | ".join(f"call_{k}" for k in range(len(tools))) + ")"
+    first = f"params_{names.index(named)}" if named is not None else any_call
+    more = f" ({_lit(NL)} <[{open_id}]> {_lit(NL)} {any_call} {close})*" if parallel else ""
+    return "\n".join([f"start: {first} {close}{more}", *rules])
 
 
 def thinking_from(kwargs: dict[str, Any] | None) -> bool:
@@ -55,6 +151,7 @@ class ChatPrompt:
     thinking: bool
     tools: list[dict] | None      # the tools a reply may call (None under tool_choice "none")
     prefix: str                   # text pre-filled after the prompt (the start of a forced tool call)
+    constraint: Constraint | None = None   # the grammar of the reply (structured output)
 
     def parser(self) -> StreamingParser:
         """A parser for one reply, fed the pre-filled prefix already."""
@@ -67,6 +164,9 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
     """Render and tokenise a chat request (blocking: call it off the event loop). Special tokens come
     only from the template: message text cannot forge a turn or a mask."""
     thinking = thinking_from(req.chat_template_kwargs)
+    constraint = constraint_from(req)
+    if constraint is not None:   # the grammar starts at the first reply token: no free-form reasoning first
+        thinking = False
     tools = tools_from(req.tools)
     choice = req.tool_choice or "auto"
     prefix = ""
@@ -79,9 +179,17 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
         prefix, thinking = f"<tool_call>\n<function={choice.function.name}>\n", False
     elif choice == "required":
         prefix, thinking = "<tool_call>\n", False
+    if prefix:   # the call is guaranteed: a grammar holds the rest of it to the tools' schemas
+        if constraint is not None:
+            raise APIError(400, "a forced tool_choice and a structured-output format cannot be combined",
+                           param="tool_choice")
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        specials = tokenizer.special_ids
+        constraint = Constraint("lark", tool_call_grammar(tools, named, req.parallel_tool_calls is not False,
+                                                          specials["<tool_call>"], specials["</tool_call>"]))
     offered = tools if choice != "none" else None
     try:
         ids = tokenizer.encode_chat(messages_from(req.messages), tools=offered, enable_thinking=thinking, suffix=prefix)
     except ChatFormatError as exc:
         raise APIError(400, str(exc), param="messages") from exc
-    return ChatPrompt(ids, thinking, offered, prefix)
+    return ChatPrompt(ids, thinking, offered, prefix, constraint)

@@ -34,7 +34,16 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
+    """Nested objects: strict types; fields of no meaning here are ignored (clients echo back message
+    objects with refusal, annotations, audio ... set to null)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Request(_Strict):
+    """A request body: an unknown field is an error, never silently dropped."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class FunctionDef(_Strict):
@@ -83,11 +92,33 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (one of them)."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingRequest(_Strict):
+class SamplingRequest(_Request):
     """Fields every generation request shares. Decoding values are bounded in one place,
     `SamplingParams.validate`; the schema only checks their types."""
 
@@ -102,7 +133,13 @@ class SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)     # vLLM's: no end of sequence before this many tokens
+    # accepted and without effect on the reply (OpenAI bookkeeping)
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # Clover's knobs
     algorithm: Literal["low_confidence", "ar", "verify"] | None = None
     block_size: int | None = None
@@ -112,6 +149,13 @@ class SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = False    # vLLM's: logprobs name tokens "token_id:{id}"
+    # structured output: OpenAI's response_format, and vLLM's guided_* / structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatRequest(SamplingRequest):
@@ -123,7 +167,6 @@ class ChatRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -137,7 +180,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Request):
     """vLLM's /tokenize: a text prompt, or chat messages rendered through the chat template."""
 
     model: str | None = None
@@ -148,7 +191,7 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
@@ -183,6 +226,8 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":
+        return f"unknown field {param!r}: Clover does not support it (and does not ignore it)", param
     return (f"{param}: {err.get('msg')}" if param else str(err.get("msg"))), param
 
 

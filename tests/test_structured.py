@@ -1,0 +1,199 @@
+"""Structured output (issue 14 item 4): a grammar holds every decoder's reply to a JSON schema, a regex, a
+choice or a forced tool call. Property test over random schemas of the supported subset: the reply always
+parses and validates, for ar, verify and low_confidence; verify stays equal to ar under a grammar."""
+
+import json
+import random
+
+import httpx
+import jsonschema
+import pytest
+import torch
+from conftest import perturbed_model
+
+from clover.engine.engine import Engine
+from clover.engine.sampling import SamplingParams
+from clover.engine.structured import Constraint, GrammarError
+from clover.model.config import CloverConfig
+from clover.model.tokenizer import Tokenizer, stdlib_texts
+from clover.serving.app import ServerConfig, build_app
+from clover.serving.local import serve_in_thread
+
+ALGORITHMS = ("ar", "verify", "low_confidence")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    tok = Tokenizer.train(list(stdlib_texts(200_000)), vocab_size=500)
+    config = CloverConfig.preset("debug", vocab_size=512, mask_token_id=511, eos_token_id=tok.eos_token_ids)
+    return perturbed_model(config, scale=0.5), tok
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """An object schema of the supported subset, every length bounded so that a reply must end."""
+    props = {}
+    for i in range(rng.randint(1, 4)):
+        kind = rng.choice(["string", "integer", "boolean", "enum", "array"] + (["object"] if depth < 1 else []))
+        if kind == "string":
+            props[f"s{i}"] = {"type": "string", "maxLength": rng.randint(1, 8)}
+        elif kind == "integer":
+            lo = rng.randint(-50, 50)
+            props[f"i{i}"] = {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
+        elif kind == "boolean":
+            props[f"b{i}"] = {"type": "boolean"}
+        elif kind == "enum":
+            props[f"e{i}"] = {"enum": rng.sample(["red", "green", "blue", "cyan", 1, 2, None], rng.randint(1, 3))}
+        elif kind == "array":
+            props[f"a{i}"] = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                              "maxItems": rng.randint(0, 3)}
+        else:
+            props[f"o{i}"] = random_schema(rng, depth + 1)
+    required = [k for k in props if rng.random() < 0.6]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_json_schema_replies_always_parse_and_validate(setup, seed):
+    model, tok = setup
+    rng = random.Random(seed)
+    schema = random_schema(rng)
+    engine = Engine(model, tok, max_batch_size=4)
+    prompt = tok.encode_chat([{"role": "user", "content": f"Reply with JSON ({seed})."}], enable_thinking=False)
+    texts = {}
+    for algorithm in ALGORITHMS:
+        params = SamplingParams(max_new_tokens=400, algorithm=algorithm, constraint=Constraint.json_schema(schema),
+                                temperature=rng.choice([0.0, 0.8]) if algorithm == "low_confidence" else 0.0,
+                                seed=seed)
+        [r] = engine.generate([prompt], params)
+        assert r.finish_reason == "stop", (algorithm, r.text)   # the grammar completed and ended the reply
+        jsonschema.validate(json.loads(r.text), schema)
+        texts[algorithm] = r.token_ids
+    assert texts["verify"] == texts["ar"]   # lossless under a grammar too
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_regex_and_choice_constraints(setup, algorithm):
+    model, tok = setup
+    engine = Engine(model, tok)
+    prompt = tok.encode("The answer is")
+    [r] = engine.generate([prompt], SamplingParams(max_new_tokens=40, algorithm=algorithm,
+                                                    constraint=Constraint("regex", r"[A-Z][a-z]{2,5}-\d{3}")))
+    assert r.finish_reason == "stop" and __import__("re").fullmatch(r"[A-Z][a-z]{2,5}-\d{3}", r.text), r.text
+    [r] = engine.generate([prompt], SamplingParams(max_new_tokens=40, algorithm=algorithm,
+                                                    constraint=Constraint("choice", json.dumps(["yes", "no", "maybe"]))))
+    assert r.text in ("yes", "no", "maybe")
+
+
+def test_a_bad_grammar_is_a_clear_error(setup):
+    model, tok = setup
+    engine = Engine(model, tok)
+    with pytest.raises(GrammarError, match="regex"):
+        engine.add_request(tok.encode("x"), SamplingParams(constraint=Constraint("regex", "(unclosed")))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        engine.add_request(tok.encode("x"), SamplingParams(constraint=Constraint("json_object"), ignore_eos=True))
+
+
+# -- over HTTP ------------------------------------------------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1,
+                                                                                "maximum": 14},
+                                         "units": {"enum": ["c", "f"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"},
+                                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
+        "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+@pytest.fixture(scope="module")
+def url(setup):
+    model, tok = setup
+    with serve_in_thread(build_app(model, tok, ServerConfig(model_name="m"))) as base:
+        yield base + "/v1"
+
+
+def _chat(url, **body):
+    r = httpx.post(url + "/chat/completions", json={"model": "m", "max_tokens": 200, **body}, timeout=120)
+    return r.status_code, r.json()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("choice", ["required", "get_weather", "add", "now"])
+def test_forced_tool_choice_always_yields_a_valid_call(url, algorithm, choice):
+    """Every length is bounded (strings by maxLength, numbers by the JSON grammar's own limits), so
+    within max_tokens the grammar completes: one call, named as asked, arguments valid."""
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    for k in range(3):
+        status, body = _chat(url, messages=[{"role": "user", "content": f"Do something ({k})."}], tools=TOOLS,
+                             tool_choice=tool_choice, algorithm=algorithm, temperature=0.7, seed=k,
+                             parallel_tool_calls=False)
+        assert status == 200, body
+        c = body["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and len(c["message"]["tool_calls"]) == 1, c
+        call = c["message"]["tool_calls"][0]["function"]
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        assert choice == "required" or call["name"] == choice
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+        assert "clover_parse_errors" not in c
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+        "additionalProperties": False}}}),
+    ("response_format", {"type": "json_object"}),
+    ("guided_json", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                     "required": ["n"], "additionalProperties": False}),
+    ("guided_choice", ["alpha", "beta"]),
+    ("guided_regex", r"\d{4}-\d{2}"),
+    ("structured_outputs", {"choice": ["up", "down"]}),
+])
+def test_openai_and_vllm_structured_output_fields(url, field, value):
+    """(A schema must bound its lengths for a reply to be sure to end: additionalProperties false here.)"""
+    status, body = _chat(url, messages=[{"role": "user", "content": "Answer."}], **{field: value}, max_tokens=300)
+    assert status == 200, body
+    text = body["choices"][0]["message"]["content"]
+    if field in ("guided_json", "response_format") and value.get("type") != "json_object":
+        schema = value if field == "guided_json" else value["json_schema"]["schema"]
+        jsonschema.validate(json.loads(text), schema)
+    elif field == "response_format":   # any object: unbounded, so only a finished one must parse
+        assert body["choices"][0]["finish_reason"] == "length" or isinstance(json.loads(text), dict)
+    elif field == "guided_regex":
+        assert __import__("re").fullmatch(value, text)
+    else:
+        assert text in (value if isinstance(value, list) else value["choice"])
+
+
+def test_logit_bias_and_min_tokens(url, setup):
+    _, tok = setup
+    eos = tok.eos_token_ids[-1]
+    status, body = _chat(url, messages=[{"role": "user", "content": "x"}], logit_bias={str(eos): 100},
+                         min_tokens=5, algorithm="ar", max_tokens=50, chat_template_kwargs={"enable_thinking": False})
+    assert status == 200 and body["usage"]["completion_tokens"] == 5, body   # held back 5 tokens, then ended
+    status, body = _chat(url, messages=[{"role": "user", "content": "x"}], logit_bias={"65": 100}, max_tokens=6,
+                         ignore_eos=True, chat_template_kwargs={"enable_thinking": False})
+    assert status == 200 and body["choices"][0]["message"]["content"] == tok.decode([65]) * 6
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"frobnicate": True}, "frobnicate"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),
+    ({"min_tokens": 900, "max_tokens": 10}, "min_tokens"),
+])
+def test_bad_structured_requests_are_refused_clearly(url, body, param):
+    status, out = _chat(url, messages=[{"role": "user", "content": "x"}], **body)
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_a_grammar_that_does_not_compile_is_a_400(url):
+    status, out = _chat(url, messages=[{"role": "user", "content": "x"}], guided_regex="(unclosed")
+    assert status == 400 and "regex" in out["error"]["message"], out
