@@ -184,7 +184,10 @@ def test_malformed_and_hostile_inputs_get_the_documented_4xx(server, name, body,
 def test_completions_errors_and_unknown_routes(server):
     url, _ = server
     assert httpx.post(url + "/v1/completions", json={"prompt": ""}).status_code == 400
-    assert httpx.post(url + "/v1/completions", json={"prompt": ["a", "b"]}).status_code == 400
+    batch = httpx.post(url + "/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2}, timeout=60).json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1]          # a batch of prompts: one choice each
+    assert httpx.post(url + "/v1/completions", json={"prompt": ["a"] * 65}).status_code == 400
+    assert httpx.post(url + "/v1/completions", json={"prompt": ["a", ""]}).status_code == 400
     r = httpx.get(url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
 
