@@ -46,7 +46,8 @@ def code_items(count: int, seed: int = 0) -> list[dict]:
         sorted(Path(sysconfig.get_paths()["stdlib"]).glob("email/*.py"))
     items = []
     for path in files:
-        lines = [x for x in path.read_text(errors="replace").splitlines() if 30 <= len(x.strip()) <= 90]
+        # lines without their indentation: lm-eval moves a context's trailing spaces to the continuation
+        lines = [x.strip() for x in path.read_text(errors="replace").splitlines() if 30 <= len(x.strip()) <= 90]
         rng.shuffle(lines)
         for line in lines[: max(1, count // len(files) + 1)]:
             cut = rng.randint(len(line) // 3, 2 * len(line) // 3)
@@ -98,7 +99,9 @@ generation_kwargs:
   do_sample: false
 metric_list:
   - metric: exact_match
-    ignore_whitespace: true
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
 """)
 
 
