@@ -197,3 +197,22 @@ def test_bad_structured_requests_are_refused_clearly(url, body, param):
 def test_a_grammar_that_does_not_compile_is_a_400(url):
     status, out = _chat(url, messages=[{"role": "user", "content": "x"}], guided_regex="(unclosed")
     assert status == 400 and "regex" in out["error"]["message"], out
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output_against_clover_serve(url, method):
+    """langchain's `with_structured_output` (a strict response_format, or a forced tool call) gets an
+    instance of the model class back from `clover serve`."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        """A weather request."""
+
+        city: str = Field(max_length=12)
+        days: int = Field(ge=1, le=7)
+
+    llm = langchain_openai.ChatOpenAI(base_url=url, api_key="none", model="m", temperature=0, max_tokens=120,
+                                      max_retries=0)
+    out = llm.with_structured_output(Weather, method=method).invoke("Weather in Oslo for 3 days?")
+    assert isinstance(out, Weather) and 1 <= out.days <= 7 and len(out.city) <= 12
