@@ -14,8 +14,8 @@ import pytest
 from fakes import TextScriptModel
 
 from clover.cli.commands import main as cli_main
-from clover.model.config import CloverConfig
-from clover.model.tokenizer import Tokenizer
+from clover.model.config import CloverConfig, ConfigError
+from clover.model.tokenizer import Tokenizer, TokenizerError
 from clover.serving.app import ServerConfig, build_app
 from clover.serving.local import serve_in_thread
 
@@ -375,6 +375,25 @@ def test_full_queue_answers_429_and_api_key_is_enforced():
         engine.stop(timeout=5)
     assert engine.stats.rejected == 1 and engine.stats.aborted == 2
 
+    # a burst fills free batch slots before the queue: 4 slots and no queue take 4 at once, refuse a 5th
+    burst = AsyncEngine(Engine(TextScriptModel([5] * 50, config), tok, max_batch_size=4), max_waiting=0)
+
+    async def all_at_once():
+        params = SamplingParams(max_new_tokens=1000, algorithm="ar", ignore_eos=True)
+        streams = [burst.generate([1, 2], params) for _ in range(5)]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        done = await asyncio.gather(*firsts, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+        return done
+
+    burst.start()
+    try:
+        done = asyncio.run(all_at_once())
+    finally:
+        burst.stop(timeout=5)
+    assert [isinstance(d, QueueFull) for d in done] == [False] * 4 + [True]
+
     from fastapi.testclient import TestClient
 
     app = build_app(TextScriptModel([5] * 5, config), tok, ServerConfig(model_name="m", api_key="sekrit"))
@@ -384,11 +403,14 @@ def test_full_queue_answers_429_and_api_key_is_enforced():
             "invalid_api_key"
         assert http.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert http.get("/health").status_code == 200  # probes need no key
-    app = build_app(TextScriptModel([5] * 5, config), tok, ServerConfig(model_name="m", max_waiting=0,
-                                                                        max_body_bytes=2000))
+    app = build_app(TextScriptModel([5] * 500, config), tok, ServerConfig(model_name="m", max_waiting=0,
+                                                                          max_body_bytes=2000), max_batch_size=1)
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with TestClient(app) as http:
-        busy = http.post("/v1/chat/completions", json=chat)
+        with http.stream("POST", "/v1/chat/completions", json={**chat, "max_tokens": 400, "stream": True,
+                                                                "ignore_eos": True, "algorithm": "ar"}) as held:
+            next(held.iter_lines())            # the one batch slot is taken and there is no queue
+            busy = http.post("/v1/chat/completions", json=chat)
         assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
         big = http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": "x" * 5000}]})
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
@@ -502,3 +524,60 @@ def test_model_by_id_tokenize_detokenize_and_head_health(server):
                               ("/tokenize", {"prompt": "a", "model": "other"}, "model")):
         r = httpx.post(url + path, json=body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
+@pytest.mark.parametrize("name,path,body,param", [
+    ("100k-deep JSON", "/v1/chat/completions", "[" * 100_000 + "]" * 100_000, None),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     '{"model":"m","messages":[{"role":"user","content":"a\\ud800b"}]}', None),
+    ("lone surrogate in a prompt", "/v1/completions", '{"model":"m","prompt":"a\\udfffb"}', None),
+    ("lone surrogate to tokenize", "/tokenize", '{"prompt":"\\udc00"}', None),
+    ("tool required not a list", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {}, "required": 5}}}]}), "tools"),
+    ("tool property not a schema", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"a": 5}}}}]}), "tools"),
+    ("NaN temperature", "/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"temperature":NaN}',
+     "temperature"),
+])
+def test_hostile_bodies_get_a_400_not_a_500(name, path, body, param):
+    from fastapi.testclient import TestClient
+
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    app = build_app(TextScriptModel([5] * 5, config), tok, ServerConfig(model_name="m"))
+    with TestClient(app) as http:
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, (name, r.text[:200])
+
+
+def test_absurd_configs_are_refused_before_allocation():
+    for field, value in (("num_hidden_layers", 10**6), ("max_position_embeddings", 10**15), ("vocab_size", 2**40)):
+        with pytest.raises(ConfigError, match=field):
+            CloverConfig.preset("debug", **{field: value, "layer_types": None})
+    with pytest.raises(TokenizerError, match="surrogate"):
+        Tokenizer.train(["some text"] * 5, vocab_size=270).encode("a\ud800")
+
+
+def test_a_stream_cut_by_shutdown_gets_a_final_error_event():
+    """Past the grace period, a stream still running ends with an error event (503 server_shutting_down),
+    not a silent hang-up."""
+    from fastapi.testclient import TestClient
+
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    app = build_app(TextScriptModel([5] * 900, config), tok, ServerConfig(model_name="m"))
+    engine = app.state.engine
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 800, "stream": True, "ignore_eos": True,
+            "algorithm": "ar"}
+    events = []
+    with TestClient(app) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        events.append(next(lines))
+        threading.Thread(target=engine.stop, args=(0.2,)).start()   # the shutdown's grace runs out
+        events += [x for x in lines if x]
+    last = json.loads(events[-1][6:])
+    assert last["error"]["code"] == "server_shutting_down" and "grace" in last["error"]["message"]

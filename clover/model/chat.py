@@ -127,6 +127,13 @@ def validate_tools(tools: list[dict] | None) -> list[dict]:
             params.get("properties", {}), dict
         ):
             raise ChatFormatError(f"tools[{i}].function.parameters must be a JSON schema of type object")
+        props = params.get("properties", {})
+        bad = next((k for k, v in props.items() if not isinstance(v, dict)), None)
+        if bad is not None:
+            raise ChatFormatError(f"tools[{i}].function.parameters.properties.{bad} must be a JSON schema object")
+        required = params.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ChatFormatError(f"tools[{i}].function.parameters.required must be a list of property names")
     return tools
 
 

@@ -24,6 +24,16 @@ _IGNORED_KEYS = {
     "output_attentions", "return_dict", "output_router_logits", "chunk_size_feed_forward", "is_encoder_decoder",
     "id2label", "label2id", "problem_type", "_name_or_path", "full_attention_interval", "auto_map",
 }
+# Upper bounds far above any real model (Clover-35B-A3B: 248,320 vocabulary, 40 layers, 131,072
+# positions, 256 experts): a config beyond them is a mistake or an attack, refused before allocation.
+SANITY_MAX = {
+    "vocab_size": 1 << 22, "hidden_size": 1 << 16, "num_hidden_layers": 1024, "num_attention_heads": 1024,
+    "num_key_value_heads": 1024, "head_dim": 4096, "max_position_embeddings": 1 << 24, "linear_conv_kernel_dim": 64,
+    "linear_key_head_dim": 4096, "linear_value_head_dim": 4096, "linear_num_key_heads": 1024,
+    "linear_num_value_heads": 1024, "moe_intermediate_size": 1 << 18, "shared_expert_intermediate_size": 1 << 18,
+    "num_experts_per_tok": 1024, "num_experts": 4096, "block_size": 1024,
+}
+
 # What transformers reads to load a Clover checkpoint (`trust_remote_code=True`): the classes of the two
 # files `clover.model.remote_code` puts next to config.json.
 TRANSFORMERS_FIELDS = {
@@ -125,6 +135,8 @@ class CloverConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            if value > SANITY_MAX[name]:   # checked before anything is allocated
+                raise ConfigError(f"{name} = {value} is beyond any model this code runs (at most {SANITY_MAX[name]})")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act must be 'silu' (the Qwen3.5-MoE activation), got {self.hidden_act!r}")
         if self.num_attention_heads % self.num_key_value_heads:

@@ -82,7 +82,12 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Text -> ids; special tokens written in the text are recognised."""
-        return self.tk.encode(text, add_special_tokens=False).ids
+        try:
+            return self.tk.encode(text, add_special_tokens=False).ids
+        except TypeError as exc:   # the Rust side's message for a lone surrogate: say what it is
+            if isinstance(text, str) and any("\ud800" <= ch <= "\udfff" for ch in text):
+                raise TokenizerError("the text holds a lone UTF-16 surrogate, which is not a character") from exc
+            raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

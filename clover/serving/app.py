@@ -36,7 +36,7 @@ from clover.model.chat import ChatFormatError, OutputDelta, StreamingParser
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import Tokenizer
-from clover.serving.async_engine import AsyncEngine, QueueFull
+from clover.serving.async_engine import AsyncEngine, QueueFull, ShuttingDown
 from clover.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prompts import chat_prompt, constraint_from, messages_from, thinking_from, tools_from
@@ -53,6 +53,7 @@ from clover.serving.protocol import (
     chunk_event,
     error_event,
     error_response,
+    parse_json_body,
     validation_message,
 )
 
@@ -189,9 +190,11 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             chunks.append(chunk)
         raw = b"".join(chunks)
         try:
-            data = await asyncio.to_thread(json.loads, raw)
+            data = await asyncio.to_thread(parse_json_body, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise APIError(400, "request body nests too deeply") from exc
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
         try:
@@ -299,6 +302,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     def _start_error(exc: BaseException) -> APIError:
         if isinstance(exc, QueueFull):
             return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        if isinstance(exc, ShuttingDown):
+            return APIError(503, str(exc), "server_error", code="server_shutting_down")
         if isinstance(exc, InvalidParameter):
             return APIError(400, str(exc), param=exc.param)
         if isinstance(exc, ValueError):

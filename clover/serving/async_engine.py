@@ -23,6 +23,10 @@ class QueueFull(RuntimeError):
     """More requests are queued than the server accepts."""
 
 
+class ShuttingDown(RuntimeError):
+    """The server stopped before this request finished (its stream gets this as a final event)."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -89,9 +93,17 @@ class AsyncEngine:
             time.sleep(0.05)
         with self._lock:
             self._abort.extend(self._streams)
+            cut = [s for s in self._streams.values() if not s.finished]
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        for stream in cut:   # a final event for every stream cut short, rather than a silent hang-up
+            stream.finished = True
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ShuttingDown(
+                    f"the server shut down after {timeout:.0f} s of grace, before this request finished"))
+            except RuntimeError:  # the caller's event loop is gone
+                pass
 
     @property
     def in_flight(self) -> int:
@@ -109,7 +121,10 @@ class AsyncEngine:
         with self._lock:
             if self._stop:
                 raise QueueFull("the server is shutting down")
-            if self.queue_depth >= self.max_waiting:
+            # requests that free batch slots will take at the next step are not waiting: a burst fills the
+            # batch and then the queue
+            free = max(0, self.engine.max_batch_size - self.engine.num_running)
+            if self.queue_depth - free >= self.max_waiting:
                 self.stats.rejected += 1
                 raise QueueFull(f"the server queue is full ({self.max_waiting} waiting requests); retry later")
             self._streams[rid] = stream
