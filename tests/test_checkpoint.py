@@ -179,6 +179,31 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, debug_model, m
     load_checkpoint(tmp_path / "ck")
 
 
+def test_a_kill_between_the_two_renames_of_a_swap_is_recovered(tmp_path, debug_model, monkeypatch):
+    """The old version was moved aside and the process died before the new one moved in: the next read
+    (or write) moves the old one back, and leftover temp directories of killed writers are removed."""
+    save_checkpoint(debug_model, tmp_path / "ck")
+    before = (tmp_path / "ck" / "model.safetensors").read_bytes()
+    import clover.model.checkpoint as ckpt
+
+    real_replace = os.replace
+
+    def dying_replace(src, dst):
+        if os.path.basename(src).startswith(".ck.tmp-") and dst == tmp_path / "ck":   # the new version into place
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", dying_replace)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(perturbed_model(debug_model.config), tmp_path / "ck")
+    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    assert not (tmp_path / "ck").exists()            # the crash window: no checkpoint under its name
+    (tmp_path / ".ck.tmp-killedwriter").mkdir()       # and a temp directory a killed writer left
+    load_checkpoint(tmp_path / "ck")
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
 # -- conversion --------------------------------------------------------------------------------------
 
 

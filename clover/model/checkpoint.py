@@ -115,10 +115,26 @@ def default_generation_config(config: CloverConfig) -> dict:
             "mask_token_id": config.mask_token_id}
 
 
+def recover_directory(target: str | os.PathLike) -> None:
+    """Finish what a writer killed mid-swap left: if `target` is missing but its previous version was moved
+    aside (`.NAME.old-PID`), move it back; then remove leftover temp and old copies. Run before reading or
+    writing a checkpoint directory (one writer per directory at a time, as the trainer is)."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return
+    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if not target.exists() and olds:
+        os.replace(olds.pop(), target)
+    for leftover in [*olds, *target.parent.glob(f".{target.name}.tmp-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> None:
-    """Create `target` atomically: `fill(tmp_dir)` writes into a sibling temp dir that is renamed into place."""
+    """Create `target` atomically: `fill(tmp_dir)` writes into a sibling temp dir that is renamed into place.
+    A crash at any point leaves either the old or the new version (`recover_directory` completes a swap)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    recover_directory(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         fill(tmp)
@@ -253,6 +269,8 @@ def load_checkpoint(
 ) -> CloverForCausalLM:
     """Load a Clover checkpoint directory. dtype: float32 / bfloat16 / float16 / None (as stored)."""
     directory = Path(directory)
+    if not directory.is_dir():
+        recover_directory(directory)
     if not directory.is_dir():
         if directory == DEFAULT_MODEL_DIR:
             raise CheckpointError(

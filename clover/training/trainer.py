@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clover.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from clover.model.checkpoint import CheckpointError, load_checkpoint, recover_directory, save_checkpoint
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer
@@ -236,6 +236,10 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     ckpt = out / "checkpoint"
     start = 0
     state = None
+    if resume and d.main:
+        recover_directory(ckpt)   # a run killed between the two renames of a checkpoint swap
+    if d.world > 1:
+        dist.barrier()
     if resume and (ckpt / "trainer_state.pt").is_file():
         try:  # tensors, numbers, strings and containers only: a crafted file cannot run code
             state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
