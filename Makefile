@@ -13,6 +13,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	@# the evaluation sandbox isolates model-written code with bubblewrap where it can be installed
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
+	  echo "note: bubblewrap is not installed; the sandbox falls back to process limits (apt-get install bubblewrap)"
 	touch $@
 
 # The demo: the shipped model (clover/weights/clover-tiny) checks its own invariants, answers a chat

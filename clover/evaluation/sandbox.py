@@ -2,15 +2,25 @@
 a wall-clock timeout, CPU-time, address-space, file-size and open-file limits, a minimal
 environment, its own process group (killed whole on timeout) and truncated output.
 
-This is containment for model-written test code on a developer's machine, not a security boundary
-against a hostile adversary: for that, run the harness inside a container or VM.
+Where bubblewrap (`bwrap`) is installed and works, the program also runs in its own namespaces:
+no network, its own PID namespace (it sees and can signal only its own processes, which all die
+with it: nothing outlives the run), its own user (nobody), the whole file system read-only except
+the task directory and a private /tmp. Without it the module warns once and falls back to the
+limits above (`isolation()` says which is in force). Process counts and memory across children are
+bounded by the namespace's lifetime and the per-process limits, not by cgroups.
+
+A completion check (`runs_to_completion`) keeps its token out of the program's file, argv and
+environment: the wrapper reads it from a pipe before the program starts.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,17 +80,51 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits()) -> Completed:
+def _bwrap_argv(cwd: Path) -> list[str]:
+    return ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user",
+            "--uid", "65534", "--gid", "65534", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+            "--tmpfs", "/tmp", "--bind", str(cwd), str(cwd), "--chdir", str(cwd), "--as-pid-1", "--"]
+
+
+@functools.lru_cache(maxsize=1)
+def isolation() -> str:
+    """"bubblewrap" when programs run in their own namespaces, else "rlimits" (warned about once)."""
+    if os.environ.get("CLOVER_SANDBOX") == "rlimits":   # an explicit opt-out (tests of the fallback)
+        return "rlimits"
+    if shutil.which("bwrap"):
+        with tempfile.TemporaryDirectory(prefix="clover-probe-") as d:
+            try:
+                probe = subprocess.run([*_bwrap_argv(Path(d)), "/bin/true"], capture_output=True, timeout=20)
+                if probe.returncode == 0:
+                    return "bubblewrap"
+                reason = probe.stderr.decode(errors="replace").strip()[:200]
+            except (OSError, subprocess.SubprocessError) as exc:
+                reason = str(exc)
+    else:
+        reason = "bwrap is not installed"
+    logging.getLogger("clover").warning(
+        "sandbox: bubblewrap unavailable (%s); model-written code runs with process limits only, which do not "
+        "stop it from reading files, using the network or signalling other processes (apt-get install "
+        "bubblewrap)", reason)
+    return "rlimits"
+
+
+def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdin: str | None = None) -> Completed:
     """`python ARGS...` with this interpreter in `cwd`: PYTHON* variables and the user site ignored, and
-    no bytecode written (an edit within the same second as a cached import would otherwise be missed)."""
+    no bytecode written (an edit within the same second as a cached import would otherwise be missed).
+    `stdin`: text given to the program on its standard input (else none)."""
+    cwd = Path(cwd).resolve()
     env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"}
+    argv = [sys.executable, "-E", "-s", "-B", *args]
+    if isolation() == "bubblewrap":
+        argv = [*_bwrap_argv(cwd), *argv]
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-E", "-s", "-B", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                             start_new_session=True, preexec_fn=lambda: _limit(limits))
     timed_out = False
     try:
-        out, err = proc.communicate(timeout=limits.timeout_s)
+        out, err = proc.communicate(input=stdin, timeout=limits.timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
         _kill_group(proc.pid)
@@ -102,13 +146,26 @@ def run_command(command: str, cwd: str | Path, limits: Limits = Limits()) -> Com
     return run_python(argv[1:], cwd, limits)
 
 
+# Reads the token from stdin before the program exists, runs the program, then prints the token: a
+# program that exits early (even with status 0) never prints it, and the token is in no file, argument or
+# environment variable the program could read. (Code that searches the interpreter's own memory for it
+# is beyond this check's reach.)
+_COMPLETION_WRAPPER = (
+    "import sys, runpy\n"
+    "_t = sys.stdin.readline().strip(); sys.stdin.close()\n"
+    "runpy.run_path(sys.argv[1], run_name='__main__')\n"
+    "print(_t)\n"
+)
+
+
 def runs_to_completion(program: str, cwd: str | Path | None = None, limits: Limits = Limits()) -> bool:
-    """True when `program` (run isolated, `python -I`, from a temporary file outside `cwd`) reaches its
-    end: a per-run random token printed after it must appear, so code that exits early with status 0
-    does not pass. `cwd` defaults to the temporary directory."""
+    """True when `program` (run isolated, `python -I`, from a temporary file in `cwd`) reaches its end:
+    a per-run random token, printed after it by a wrapper that read it from a pipe, must appear, so code
+    that exits early with status 0 does not pass. `cwd` defaults to a temporary directory."""
     token = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="clover-run-") as d:
+    with tempfile.TemporaryDirectory(prefix="clover-run-", dir=cwd) as d:
         path = Path(d) / "program.py"
-        path.write_text(f"{program}\nprint({token!r})\n")
-        done = run_python(["-I", str(path)], cwd if cwd is not None else d, limits)
+        path.write_text(program + "\n")
+        done = run_python(["-I", "-c", _COMPLETION_WRAPPER, str(path)], cwd if cwd is not None else d, limits,
+                          stdin=token + "\n")
     return done.returncode == 0 and token in done.stdout.splitlines()

@@ -1,0 +1,80 @@
+"""Escapes model-written code might attempt (issue 15 item 2), each contained when bubblewrap is present
+(`clover.evaluation.sandbox.isolation()`; `make setup` installs it where it can); forged completions never
+pass, with or without it."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from clover.evaluation.sandbox import Limits, isolation, run_python, runs_to_completion
+
+isolated = pytest.mark.skipif(isolation() != "bubblewrap", reason="bubblewrap is not available here")
+
+
+def _run(code, cwd):
+    return run_python(["-c", code], cwd, Limits(timeout_s=10))
+
+
+@isolated
+def test_writes_outside_the_task_directory_fail(tmp_path):
+    task, outside = tmp_path / "task", tmp_path / "outside"
+    task.mkdir()
+    outside.mkdir()
+    r = _run(f"open({str(outside / 'x')!r}, 'w').write('pwned')", task)
+    assert r.returncode != 0 and not (outside / "x").exists()
+    assert _run("open('inside.txt', 'w').write('ok')", task).returncode == 0 and (task / "inside.txt").exists()
+    r = _run("import os; open(os.path.expanduser('~/../../etc/passwd-copy'), 'w')", task)
+    assert r.returncode != 0
+
+
+@isolated
+def test_the_parent_and_other_processes_are_invisible(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        r = _run(f"import os\ntry:\n    os.kill({sleeper.pid}, 9)\nexcept OSError as e:\n    print('denied', e)\n"
+                 f"print(sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
+                 f"print(open('/proc/%d/environ' % os.getppid()).read() if os.getppid() > 1 else 'no parent')",
+                 tmp_path)
+        time.sleep(0.2)
+        assert sleeper.poll() is None                      # the harness's processes cannot be signalled
+        assert "denied" in r.stdout and "no parent" in r.stdout
+        assert str(os.getpid()) not in r.stdout.split("\n")[1]
+    finally:
+        sleeper.kill()
+
+
+@isolated
+def test_no_network_not_even_the_loopback(tmp_path):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        r = _run(f"import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {port}))\n"
+                 "print('connected')", tmp_path)
+    assert "connected" not in r.stdout and r.returncode != 0
+
+
+@isolated
+def test_a_double_forked_daemon_does_not_outlive_the_run(tmp_path):
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(1)\n"
+            "        open('daemon.txt', 'w').write('alive')\n    os._exit(0)\nprint('parent done')")
+    r = _run(code, tmp_path)
+    time.sleep(2)
+    assert "parent done" in r.stdout and not (tmp_path / "daemon.txt").exists()
+
+
+@pytest.mark.parametrize("forgery", [
+    "import sys; print(open(sys.argv[0]).read().split()[-1].strip(\"'()\")); raise SystemExit(0)",
+    "import sys\nfor a in sys.argv: print(a)\nimport os; print(open('/proc/self/cmdline').read()); os._exit(0)",
+    "import os\nfor k, v in os.environ.items(): print(v)\nos._exit(0)",
+    "import glob\nfor f in glob.glob('**/*.py', recursive=True): print(open(f).read())\nraise SystemExit(0)",
+])
+def test_a_forged_completion_never_passes(tmp_path, forgery):
+    """The completion token is in no file, argument or variable the program can read: printing what it can
+    find and exiting 0 early does not pass."""
+    assert runs_to_completion("print('fine')", tmp_path)
+    assert not runs_to_completion(forgery, tmp_path)
