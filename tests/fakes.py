@@ -93,6 +93,12 @@ class TextScriptModel(ScriptedModel):
         self.target = list(target)
         self.prompt_len: dict[int, int] = {}
 
+    def __call__(self, ids):
+        """A whole causal pass without a cache (prompt scoring): each position predicts the script's first
+        token, with the same confidence as decoding."""
+        first = self.target[0] if self.target else self.config.eos_token_ids[0]
+        return self._logits(first, 0.99).expand(ids.shape[0], ids.shape[1], -1)
+
     def causal(self, ids, cache, lengths, logits="all", rows=None, write=True, gdn_trace=None):
         rows_l = row_list(rows)
         starts = cache.lengths[rows_l].tolist()

@@ -12,14 +12,6 @@ from clover.evaluation.sandbox import Limits, run_command, run_python
 from clover.training import synthetic
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie awaiting its parent is dead
-    except FileNotFoundError:
-        return False
-
-
 def _replay(env, turns):
     """Run the tool calls of the reference turns; return the tool results."""
     out = []
