@@ -5,11 +5,12 @@ JSON with either choices or an OpenAI-shaped error. Bounded and derandomized (th
 import json
 
 import pytest
-from fakes import TextScriptModel
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clover.model.config import CloverConfig
+from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import Tokenizer
 from clover.serving.app import ServerConfig, build_app
 
@@ -94,8 +95,8 @@ def http():
     tok = Tokenizer.train(["the weather in paris and rome, the tool and the call"] * 20, vocab_size=300)
     config = CloverConfig.preset("debug", vocab_size=300, mask_token_id=tok.mask_token_id,
                                  eos_token_id=tok.eos_token_ids, max_position_embeddings=256)
-    app = build_app(TextScriptModel(tok.encode("the weather in paris") * 3, config), tok,
-                    ServerConfig(model_name="m", max_body_bytes=64 << 10))
+    torch.manual_seed(0)   # a real (random, tiny) model: every decoder and every forward mode runs
+    app = build_app(CloverForCausalLM(config).eval(), tok, ServerConfig(model_name="m", max_body_bytes=64 << 10))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 

@@ -406,12 +406,15 @@ def test_full_queue_answers_429_and_api_key_is_enforced():
     app = build_app(TextScriptModel([5] * 500, config), tok, ServerConfig(model_name="m", max_waiting=0,
                                                                           max_body_bytes=2000), max_batch_size=1)
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with serve_in_thread(app) as base:   # a real server: TestClient would read the held stream to its end
+        with httpx.stream("POST", base + "/v1/chat/completions", json={
+                **chat, "max_tokens": 490, "stream": True, "ignore_eos": True, "algorithm": "ar"}, timeout=60) as held:
+            lines = held.iter_lines()          # kept: a dropped iterator would close the stream
+            next(lines)                        # the one batch slot is taken and there is no queue
+            busy = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60)
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+    app = build_app(TextScriptModel([5] * 5, config), tok, ServerConfig(model_name="m", max_body_bytes=2000))
     with TestClient(app) as http:
-        with http.stream("POST", "/v1/chat/completions", json={**chat, "max_tokens": 400, "stream": True,
-                                                                "ignore_eos": True, "algorithm": "ar"}) as held:
-            next(held.iter_lines())            # the one batch slot is taken and there is no queue
-            busy = http.post("/v1/chat/completions", json=chat)
-        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
         big = http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": "x" * 5000}]})
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
         chunked = http.post("/v1/chat/completions", content=iter([b"{" + b" " * 1500, b" " * 1500 + b"}"]),
