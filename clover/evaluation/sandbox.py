@@ -81,9 +81,14 @@ def _kill_group(pgid: int) -> None:
 
 
 def _bwrap_argv(cwd: Path) -> list[str]:
+    # the interpreter's installation stays visible (read-only) over the private /tmp: a virtual
+    # environment may live there (a fresh clone in /tmp)
+    python = []
+    for prefix in sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}):
+        python += ["--ro-bind-try", prefix, prefix]
     return ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user",
             "--uid", "65534", "--gid", "65534", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--tmpfs", "/tmp", "--bind", str(cwd), str(cwd), "--chdir", str(cwd), "--as-pid-1", "--"]
+            "--tmpfs", "/tmp", *python, "--bind", str(cwd), str(cwd), "--chdir", str(cwd), "--as-pid-1", "--"]
 
 
 @functools.lru_cache(maxsize=1)
