@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from clover.evaluation.sandbox import Limits, isolation, run_python, runs_to_completion
+from clover.evaluation.sandbox import Limits, cgroups, isolation, run_python, runs_to_completion
 
 isolated = pytest.mark.skipif(isolation() != "bubblewrap", reason="bubblewrap is not available here")
 
@@ -78,3 +78,26 @@ def test_a_forged_completion_never_passes(tmp_path, forgery):
     find and exiting 0 early does not pass."""
     assert runs_to_completion("print('fine')", tmp_path)
     assert not runs_to_completion(forgery, tmp_path)
+
+
+grouped = pytest.mark.skipif(not cgroups(), reason="no cgroups to create here")
+
+
+@grouped
+def test_a_fork_bomb_is_capped(tmp_path):
+    code = ("import os, time\nn = 0\ntry:\n    for _ in range(500):\n        if os.fork() == 0:\n"
+            "            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)")
+    r = run_python(["-c", code], tmp_path, Limits(timeout_s=10, processes=16))
+    assert r.stdout.strip() and int(r.stdout) < 16
+
+
+@grouped
+def test_memory_is_capped_across_children(tmp_path):
+    """Each child stays under the per-process limit; together they pass the run's memory limit."""
+    code = ("import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        x = bytearray(200 * 2**20)\n        x[::4096] = b'x' * len(x[::4096])\n        time.sleep(2)\n"
+            "        os._exit(0)\n    kids.append(pid)\n"
+            "print(sorted(os.waitpid(k, 0)[1] for k in kids))")
+    r = run_python(["-c", code], tmp_path, Limits(timeout_s=20, memory_mb=500))
+    statuses = [int(s) for s in r.stdout.strip("[]\n").split(",") if s.strip()] if r.stdout.strip() else []
+    assert r.returncode != 0 or any(s != 0 for s in statuses), r   # the group's limit killed someone

@@ -6,8 +6,9 @@ Where bubblewrap (`bwrap`) is installed and works, the program also runs in its 
 no network, its own PID namespace (it sees and can signal only its own processes, which all die
 with it: nothing outlives the run), its own user (nobody), the whole file system read-only except
 the task directory and a private /tmp. Without it the module warns once and falls back to the
-limits above (`isolation()` says which is in force). Process counts and memory across children are
-bounded by the namespace's lifetime and the per-process limits, not by cgroups.
+limits above (`isolation()` says which is in force). Where cgroups (v1 pids and memory, as root) can
+be created, each run gets its own: all its processes together are held to `Limits.processes` and
+`Limits.memory_mb` (`cgroups()` says whether they are); otherwise only per-process limits apply.
 
 A completion check (`runs_to_completion`) keeps its token out of the program's file, argv and
 environment: the wrapper reads it from a pipe before the program starts.
@@ -38,9 +39,10 @@ except ImportError:  # pragma: no cover
 @dataclass(frozen=True)
 class Limits:
     timeout_s: float = 10.0
-    memory_mb: int = 1024
+    memory_mb: int = 1024      # per process (address space), and for all of a run's processes with cgroups
     output_chars: int = 4000
     file_mb: int = 16
+    processes: int = 64        # a run's processes at once, with cgroups
 
 
 @dataclass
@@ -80,6 +82,46 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+CGROUP_V1 = Path("/sys/fs/cgroup")
+
+
+class _Cgroup:
+    """A run's own cgroups (v1 pids and memory controllers, as root): every process the program starts
+    counts against one process limit and one memory limit, and the run cannot fork without bound."""
+
+    def __init__(self, limits: Limits) -> None:
+        name = f"clover-sandbox-{os.getpid()}-{secrets.token_hex(4)}"
+        self.dirs = [CGROUP_V1 / "pids" / name, CGROUP_V1 / "memory" / name]
+        for d in self.dirs:
+            d.mkdir()
+        (self.dirs[0] / "pids.max").write_text(str(limits.processes))
+        (self.dirs[1] / "memory.limit_in_bytes").write_text(str(limits.memory_mb * 2**20))
+
+    def join(self) -> None:   # in the child, before exec
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text(str(os.getpid()))
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            for _ in range(50):   # the killed processes leave the group within moments
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.02)
+
+
+@functools.lru_cache(maxsize=1)
+def _cgroups_work() -> bool:
+    if not all((CGROUP_V1 / c / "cgroup.procs").is_file() for c in ("pids", "memory")):
+        return False
+    try:
+        _Cgroup(Limits()).remove()
+    except OSError:
+        return False
+    return True
+
+
 def _bwrap_argv(cwd: Path) -> list[str]:
     # the interpreter's installation stays visible (read-only) over the private /tmp: a virtual
     # environment may live there (a fresh clone in /tmp)
@@ -89,6 +131,11 @@ def _bwrap_argv(cwd: Path) -> list[str]:
     return ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user",
             "--uid", "65534", "--gid", "65534", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
             "--tmpfs", "/tmp", *python, "--bind", str(cwd), str(cwd), "--chdir", str(cwd), "--as-pid-1", "--"]
+
+
+def cgroups() -> bool:
+    """Whether a run's processes together are held to `Limits.processes` and `Limits.memory_mb`."""
+    return os.environ.get("CLOVER_SANDBOX") != "rlimits" and _cgroups_work()
 
 
 @functools.lru_cache(maxsize=1)
@@ -123,18 +170,30 @@ def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdi
     argv = [sys.executable, "-E", "-s", "-B", *args]
     if isolation() == "bubblewrap":
         argv = [*_bwrap_argv(cwd), *argv]
+    group = _Cgroup(limits) if cgroups() else None
+
+    def setup() -> None:   # in the child, between fork and exec
+        if group is not None:
+            group.join()
+        _limit(limits)
+
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True, preexec_fn=lambda: _limit(limits))
-    timed_out = False
     try:
-        out, err = proc.communicate(input=stdin, timeout=limits.timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc.pid)
-        out, err = proc.communicate()
-    _kill_group(proc.pid)  # whatever the program left running in the background goes too
+        proc = subprocess.Popen(argv, cwd=cwd, env=env,
+                                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                start_new_session=True, preexec_fn=setup)
+        timed_out = False
+        try:
+            out, err = proc.communicate(input=stdin, timeout=limits.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc.pid)
+            out, err = proc.communicate()
+        _kill_group(proc.pid)  # whatever the program left running in the background goes too
+    finally:
+        if group is not None:
+            group.remove()
     return Completed(proc.returncode, _truncate(out, limits.output_chars), _truncate(err, limits.output_chars),
                      time.perf_counter() - t0, timed_out)
 
