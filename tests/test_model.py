@@ -226,3 +226,16 @@ def test_consecutive_rows_as_a_slice_equal_rows_as_a_tensor(debug_model):
                  atol=1e-6)
     with pytest.raises(ValueError, match="consecutive cache rows"):
         debug_model.causal(ids[:2, 24:26], b, rows=slice(0, 3))
+
+
+def test_kv_capacity_grows_geometrically_up_to_the_context():
+    """A sequence growing a block at a time copies its K/V a logarithmic number of times, and the buffer
+    never grows past the model's context for positions within it."""
+    from clover.model.cache import PrefixCache
+
+    cache = PrefixCache.empty(CloverConfig.preset("debug"), 2)
+    sizes = []
+    for n in range(1, 4097, 32):
+        cache.reserve(n, 4096)
+        sizes.append(cache.capacity)
+    assert sorted(set(sizes)) == [256, 512, 1024, 2048, 4096]

@@ -67,11 +67,14 @@ class PrefixCache:
                 return k.shape[2]
         return 1 << 62  # no attention layer: unbounded
 
-    def reserve(self, positions: int) -> None:
-        """Grow the K/V buffers so that `positions` positions fit."""
+    def reserve(self, positions: int, limit: int | None = None) -> None:
+        """Grow the K/V buffers so that `positions` positions fit: to twice the capacity (so that a sequence
+        growing a block at a time copies each position's K/V O(1) times, not once per 256 positions), in
+        steps of 256, but not past `limit` (the model's context) beyond what `positions` needs."""
         if positions <= self.capacity:
             return
-        new_cap = -(-positions // _GROW) * _GROW
+        target = 2 * self.capacity if limit is None else min(2 * self.capacity, limit)
+        new_cap = -(-max(positions, target) // _GROW) * _GROW
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
                 if t is not None:

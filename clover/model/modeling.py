@@ -356,7 +356,7 @@ class CloverForCausalLM(nn.Module):
         p = int(past.max()) if cache is not None else 0
         write = write and cache is not None
         if write:
-            cache.reserve(int((past + lengths).max()))
+            cache.reserve(int((past + lengths).max()), self.config.max_position_embeddings)
         steps = torch.arange(t, device=input_ids.device)
         causal = (steps[None, :] <= steps[:, None])[None, None].expand(n, 1, t, t)
         mask = torch.cat([self._prefix_mask(past, p, t), causal], dim=-1)      # [N,1,T,P+T]
@@ -458,7 +458,7 @@ class CloverForCausalLM(nn.Module):
         block_lengths = self._lengths(block_ids, block_lengths, block_start)
         p = int(past.max())
         if commit:
-            cache.reserve(int((past + clean_lengths).max()))
+            cache.reserve(int((past + clean_lengths).max()), self.config.max_position_embeddings)
         dev = clean_ids.device
         tc_steps, s_steps = torch.arange(tc, device=dev), torch.arange(s, device=dev)
         # keys: [cached prefix P | clean Tc | block S]; clean rows causal, block rows bidirectional inside
