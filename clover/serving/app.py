@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -131,8 +132,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
-        # graceful: uvicorn has stopped accepting and waited for open responses; what is left gets 30 s
-        await asyncio.to_thread(engine.stop, 30.0)
+        # graceful: uvicorn has stopped accepting and waited for open responses; what is left gets the grace
+        # period (`serve` starts it already at the signal), then a final error event
+        await asyncio.to_thread(engine.stop, float(SHUTDOWN_GRACE_S))
 
     app = FastAPI(title="Clover", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
@@ -623,6 +625,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     return app
 
 
+SHUTDOWN_GRACE_S = 30
+
+
 def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,
           dtype: str, device: str, model_name: str | None, prefix_cache_bytes: int = 0,
           max_prefill_tokens: int | None = None) -> None:
@@ -639,5 +644,18 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
                     loaded.generation, prefix_cache_bytes, max_prefill_tokens)
     print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
           f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    engine: AsyncEngine = app.state.engine
+
+    class Server(uvicorn.Server):
+        """On SIGTERM / SIGINT the engine gets SHUTDOWN_GRACE_S to finish what is running and then ends the rest
+        with a final error event, before uvicorn (which waits longer) closes the connections."""
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if not self.should_exit:
+                threading.Thread(target=engine.stop, args=(SHUTDOWN_GRACE_S,), daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 10)
+    Server(config).run()
 
