@@ -180,8 +180,9 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, debug_model, m
 
 
 def test_a_kill_between_the_two_renames_of_a_swap_is_recovered(tmp_path, debug_model, monkeypatch):
-    """The old version was moved aside and the process died before the new one moved in: the next read
-    (or write) moves the old one back, and leftover temp directories of killed writers are removed."""
+    """The old version was moved aside and the process died before the new one moved in: a reader reads
+    the old version where it lies (never moving or deleting anything: a writer may be mid-swap); the next
+    write moves it back and removes leftover temp directories of killed writers."""
     save_checkpoint(debug_model, tmp_path / "ck")
     before = (tmp_path / "ck" / "model.safetensors").read_bytes()
     import clover.model.checkpoint as ckpt
@@ -199,7 +200,10 @@ def test_a_kill_between_the_two_renames_of_a_swap_is_recovered(tmp_path, debug_m
     monkeypatch.setattr(ckpt.os, "replace", real_replace)
     assert not (tmp_path / "ck").exists()            # the crash window: no checkpoint under its name
     (tmp_path / ".ck.tmp-killedwriter").mkdir()       # and a temp directory a killed writer left
-    load_checkpoint(tmp_path / "ck")
+    listing = sorted(os.listdir(tmp_path))
+    load_checkpoint(tmp_path / "ck")                   # a reader reads the old version and touches nothing
+    assert sorted(os.listdir(tmp_path)) == listing
+    save_checkpoint(debug_model, tmp_path / "ck")      # the next write completes the recovery and cleans up
     assert (tmp_path / "ck" / "model.safetensors").read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 

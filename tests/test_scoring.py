@@ -132,3 +132,22 @@ def test_what_cannot_be_scored_is_refused_clearly(served, body, param, message):
     path = "/chat/completions" if "messages" in body else "/completions"
     status, out = _post(url, path, body)
     assert status == 400 and out["error"]["param"] == param and message in out["error"]["message"], out
+
+
+def test_a_stop_token_keeps_its_logprob_entry(served):
+    """lm-eval reads one entry per generated token: when the one token is end of sequence, its entry is
+    still there (as vLLM reports it), so token_logprobs[ctxlen:-1] is the continuation."""
+    url, model, tok = served
+    ids = tok.encode("x = 1\n")
+    eos = tok.eos_token_ids[-1]
+    status, body = _post(url, "/completions", {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1,
+                                                "temperature": 0, "logit_bias": {str(eos): 100}})
+    got = body["choices"][0]["logprobs"]
+    assert status == 200 and len(got["token_logprobs"]) == len(ids) + 1
+    with torch.no_grad():   # the model's own log-probability of it (logprobs are reported before logit_bias)
+        row = model(torch.tensor([ids]))[0, -1].float()
+    row[model.config.mask_token_id] = -torch.inf
+    assert got["token_logprobs"][-1] == pytest.approx(float(torch.log_softmax(row, -1)[eos]), abs=1e-4)
+    assert body["choices"][0]["text"] == tok.decode(ids)            # its text is not output
+    status, out = _post(url, "/completions", {"prompt": "x", "max_tokens": 2, "logit_bias": {"²": 1}})
+    assert status == 400 and out["error"]["param"] == "logit_bias"

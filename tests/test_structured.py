@@ -216,3 +216,32 @@ def test_langchain_with_structured_output_against_clover_serve(url, method):
                                       max_retries=0)
     out = llm.with_structured_output(Weather, method=method).invoke("Weather in Oslo for 3 days?")
     assert isinstance(out, Weather) and 1 <= out.days <= 7 and len(out.city) <= 12
+
+
+def test_min_tokens_never_pushes_a_reply_out_of_its_grammar(url):
+    """With the grammar complete only end of sequence may follow; min_tokens gives way (no random token)."""
+    for algorithm in ALGORITHMS:
+        status, body = _chat(url, messages=[{"role": "user", "content": "x"}], guided_choice=["yes", "no"],
+                             min_tokens=5, temperature=1.0, seed=3, algorithm=algorithm)
+        assert status == 200 and body["choices"][0]["message"]["content"] in ("yes", "no"), body
+
+
+def test_json_keys_come_in_the_schemas_order(setup):
+    model, tok = setup
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 4},
+                                               "answer": {"type": "boolean"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    [r] = Engine(model, tok).generate([tok.encode("x")], SamplingParams(max_new_tokens=60, algorithm="ar",
+                                                                       constraint=Constraint.json_schema(schema)))
+    assert list(json.loads(r.text)) == ["reasoning", "answer"]
+
+
+def test_nullable_string_arguments_of_a_forced_call_parse_to_their_values():
+    from clover.model.chat import parse_output
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "city": {"type": ["string", "null"]}}}}}]
+    for raw, want in (('"Paris"', "Paris"), ("null", None), ("Paris", "Paris"), ("12", "12")):
+        out = parse_output(f"<tool_call>\n<function=f>\n<parameter=city>\n{raw}\n</parameter>\n</function>\n"
+                           "</tool_call>", thinking=False, tools=tools)
+        assert out.tool_calls[0].arguments == {"city": want}, raw

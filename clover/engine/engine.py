@@ -372,8 +372,8 @@ class Engine:
         """min_tokens: logits [M,V] of response positions first .. first+M-1 with every stop token at -inf
         where the position is below params.min_tokens."""
         early = s.params.min_tokens - first
-        if early <= 0:
-            return logits
+        if early <= 0 or (s.matcher is not None and s.matcher.finished):
+            return logits   # a complete grammar ends the reply: it wins over min_tokens
         stops = sorted(t for t in (*self.eos_ids, *s.params.stop_token_ids) if self.is_stop_token(s, t))
         logits = logits.clone()
         logits[:early, stops] = float("-inf")
@@ -385,8 +385,12 @@ class Engine:
         causal head's logits that predicted them (for params.logprobs)."""
         cut = next((j for j, t in enumerate(tokens) if self.is_stop_token(s, t)), None)
         keep = len(tokens) if cut is None else cut
-        if s.params.logprobs is not None and logits is not None and keep:
-            s.logprobs.extend(token_logprobs(logits[:keep], tokens[:keep], s.params.logprobs))
+        if s.params.logprobs is not None and logits is not None:
+            scored = token_logprobs(logits[: keep + (cut is not None)], tokens[: keep + (cut is not None)],
+                                    s.params.logprobs)
+            s.logprobs.extend(scored[:keep])
+            if cut is not None:   # the stop token is not output, but scorers (lm-eval) count its entry
+                s.stop_logprob = (tokens[cut], scored[keep])
         self.emit(s, tokens[:keep], steps[:keep], events, stopped=cut is not None)
 
     def emit(self, s: SequenceState, tokens: list[int], steps: list[int], events: list[Event],
@@ -479,6 +483,7 @@ class Engine:
             text=s.text if self.tokenizer is not None else None, finish_reason=reason, stats=s.stats,
             accept_steps=list(s.accept_steps) if record else None, trace=s.trace if record else None,
             logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+            stop_logprob=s.stop_logprob,
         )
         start = s.emitted
         events.append(Event(s.rid, self._new_tokens(s), delta, True, result, error, self._logprobs(s, start)))

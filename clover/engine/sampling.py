@@ -172,7 +172,10 @@ def pick_tokens(
     logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Penalties, then argmax (temperature 0) or a sample. Returns (tokens [M], confidence [M]):
-    the probability of the chosen token under the distribution it was drawn from."""
+    the probability of the chosen token under the distribution it was drawn from. A row in which every
+    token is excluded (-inf) is an error, never a uniform draw."""
+    if not bool(torch.isfinite(logits).any(-1).all()):
+        raise ValueError("no token is allowed at this position (a grammar, min_tokens or logit_bias excludes all)")
     if params.greedy:
         probs = torch.softmax(_finite(apply_penalties(logits.float(), counts, params)), dim=-1)
         conf, tokens = probs.max(dim=-1)

@@ -69,6 +69,7 @@ class GenerationResult:
     accept_steps: list[int] | None = None   # per generated token: the step that accepted it
     trace: list[StepRecord] | None = None
     logprobs: list[TokenLogprob] | None = None   # per generated token, when params.logprobs is set
+    stop_logprob: tuple[int, TokenLogprob] | None = None   # the stop token that ended it, with its logprob
 
 
 @dataclass
@@ -99,6 +100,7 @@ class SequenceState:
     accept_steps: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # aligned with `generated` when requested
     matcher: Matcher | None = None             # the grammar state of a constrained sequence
+    stop_logprob: tuple[int, TokenLogprob] | None = None   # the stop token that ended it (params.logprobs)
     trace: list[StepRecord] = field(default_factory=list)
     text: str = ""                             # text already emitted
     emitted: int = 0                           # tokens already emitted

@@ -52,7 +52,7 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> Constraint:
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))   # key order kept: it is the order replies write
 
 
 def _llguidance() -> Any:
@@ -97,6 +97,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._ll = ll
         self._tokenizer = ll.LLTokenizer(tokenizer.tk.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
+        self.eos_ids = frozenset(eos_ids)
 
     def check(self, constraint: Constraint) -> None:
         """Raise GrammarError if the constraint does not compile."""
@@ -108,15 +109,16 @@ class GrammarCompiler:
         m = self._ll.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
         if m.is_error():
             raise GrammarError(f"{constraint.kind}: {m.get_error()}")
-        return Matcher(m, self.vocab_size)
+        return Matcher(m, self.vocab_size, self.eos_ids)
 
 
 class Matcher:
     """One sequence's position in its grammar."""
 
-    def __init__(self, inner: Any, vocab_size: int) -> None:
+    def __init__(self, inner: Any, vocab_size: int, eos_ids: frozenset[int]) -> None:
         self._m = inner
         self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next."""
@@ -128,11 +130,13 @@ class Matcher:
         return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
 
     def consume(self, tokens: list[int]) -> None:
-        """Advance over tokens the grammar allowed; once it is complete (only end-of-sequence could follow)
-        the rest is not fed to it."""
+        """Advance over tokens the grammar allowed; once it is complete only end-of-sequence may follow
+        (anything else is an error: the reply would leave the grammar)."""
         for t in tokens:
             if self._m.is_stopped():
-                return
+                if t not in self.eos_ids:
+                    raise GrammarError(f"token {t} after the grammar was complete (only end of sequence may follow)")
+                continue
             if not self._m.consume_token(t):
                 raise GrammarError(f"the grammar rejected token {t}, which it had allowed: {self._m.get_error()}")
 

@@ -11,7 +11,8 @@ be created, each run gets its own: all its processes together are held to `Limit
 `Limits.memory_mb` (`cgroups()` says whether they are); otherwise only per-process limits apply.
 
 A completion check (`runs_to_completion`) keeps its token out of the program's file, argv and
-environment: the wrapper reads it from a pipe before the program starts.
+environment: the wrapper reads it from a pipe before the program starts. It still lives in the same
+interpreter, so a program that inspects the wrapper's frames can forge a completion (see below).
 """
 
 from __future__ import annotations
@@ -102,6 +103,15 @@ class _Cgroup:
             (d / "cgroup.procs").write_text(str(os.getpid()))
 
     def remove(self) -> None:
+        for d in self.dirs:   # whatever is left in the run's groups (a setsid daemon) is killed first
+            try:
+                for pid in (d / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            except OSError:
+                pass
         for d in self.dirs:
             for _ in range(50):   # the killed processes leave the group within moments
                 try:
@@ -212,8 +222,9 @@ def run_command(command: str, cwd: str | Path, limits: Limits = Limits()) -> Com
 
 # Reads the token from stdin before the program exists, runs the program, then prints the token: a
 # program that exits early (even with status 0) never prints it, and the token is in no file, argument or
-# environment variable the program could read. (Code that searches the interpreter's own memory for it
-# is beyond this check's reach.)
+# environment variable the program could read. It is in the wrapper's memory, though: a program that
+# walks the interpreter's frames (sys._getframe) can find it. This stops accidental early exits and naive
+# forgeries; against a model that games the check deliberately, judge completion out of process.
 _COMPLETION_WRAPPER = (
     "import sys, runpy\n"
     "_t = sys.stdin.readline().strip(); sys.stdin.close()\n"

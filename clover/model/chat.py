@@ -188,6 +188,14 @@ _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
     kind = (schema or {}).get("type")
     kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds and len(kinds) > 1:   # e.g. ["string", "null"]: a JSON value of another allowed
+        try:                                    # type, or a JSON string, is read as JSON; else it is the text
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            return value, None
+        if isinstance(parsed, str) or (parsed is None and "null" in kinds):
+            return parsed, None
+        return value, None
     if "string" in kinds:
         return value, None
     if kind is None:  # no schema: JSON if it parses, else the text

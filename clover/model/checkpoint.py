@@ -270,7 +270,12 @@ def load_checkpoint(
     """Load a Clover checkpoint directory. dtype: float32 / bfloat16 / float16 / None (as stored)."""
     directory = Path(directory)
     if not directory.is_dir():
-        recover_directory(directory)
+        # a save between its two renames (or killed there): read the previous version where it was moved,
+        # without touching anything (the writer, or the next write, completes or recovers the swap)
+        olds = sorted(directory.parent.glob(f".{directory.name}.old-*"), key=lambda p: p.stat().st_mtime) \
+            if directory.parent.is_dir() else []
+        if olds:
+            directory = olds[-1]
     if not directory.is_dir():
         if directory == DEFAULT_MODEL_DIR:
             raise CheckpointError(

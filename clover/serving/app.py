@@ -118,6 +118,16 @@ def _completion_logprobs(name: Callable[[int], str], ids: list[int], logprobs: l
     return out
 
 
+def _with_stop(result: GenerationResult) -> tuple[list[int], list]:
+    """A reply's tokens and logprobs with the stop token that ended it (as vLLM reports them to scorers:
+    lm-eval reads one entry per generated token, the stop token included)."""
+    ids, lps = list(result.token_ids), list(result.logprobs or [])
+    if result.stop_logprob is not None:
+        ids.append(result.stop_logprob[0])
+        lps.append(result.stop_logprob[1])
+    return ids, lps
+
+
 def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig, max_batch_size: int = 32,
               generation_defaults: GenerationConfig | dict | None = None, prefix_cache_bytes: int = 0,
               max_prefill_tokens: int | None = None) -> FastAPI:
@@ -227,7 +237,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             algorithm=algorithm, block_size=req.block_size, threshold=req.threshold)
         bias = []
         for key, value in (req.logit_bias or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
             bias.append((int(key), float(value)))
         # validated by the engine when the request is added (`_start_error` names the field)
@@ -536,11 +546,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             out = []
             for c in choices:
                 text, logprobs = head(c.index)
-                if logprobs is not None:
-                    tail = _completion_logprobs(namer, c.result.token_ids, c.result.logprobs, len(text))
-                    logprobs = {k: logprobs[k] + tail[k] for k in logprobs}
-                elif req.logprobs is not None:
-                    logprobs = _completion_logprobs(namer, c.result.token_ids, c.result.logprobs, 0)
+                if req.logprobs is not None:
+                    tail = _completion_logprobs(namer, *_with_stop(c.result), len(text))
+                    logprobs = tail if logprobs is None else {k: logprobs[k] + tail[k] for k in logprobs}
                 out.append({"index": c.index, "text": text + c.result.text, "finish_reason": reason(c.result),
                             "logprobs": logprobs})
             return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
@@ -564,7 +572,10 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                         choices[i].result = ev.result
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = _completion_logprobs(namer, ev.token_ids, ev.logprobs, offsets[i])
+                        ids, lps = ev.token_ids, ev.logprobs or []
+                        if ev.finished and ev.result is not None and ev.result.stop_logprob is not None:
+                            ids, lps = [*ids, ev.result.stop_logprob[0]], [*lps, ev.result.stop_logprob[1]]
+                        logprobs = _completion_logprobs(namer, ids, lps, offsets[i])
                     offsets[i] += len(ev.text)
                     yield body([{"index": i, "text": ev.text, "logprobs": logprobs,
                                  "finish_reason": reason(ev.result) if ev.finished else None}])

@@ -64,6 +64,7 @@ class RequestRecord:
 
 class Observer(Protocol):
     def request_finished(self, record: RequestRecord) -> None: ...
+    def request_ended(self, reason: str) -> None: ...   # ended without a result: "abort" or "error"
 
 
 class AsyncEngine:
@@ -94,9 +95,17 @@ class AsyncEngine:
         with self._lock:
             self._abort.extend(self._streams)
             cut = [s for s in self._streams.values() if not s.finished]
-        self._stop = True
+            self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        with self._lock:   # calls that came after the thread's last round get an answer too
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            try:
+                future.get_loop().call_soon_threadsafe(
+                    lambda f=future: f.done() or f.set_exception(ShuttingDown("the server is shutting down")))
+            except RuntimeError:
+                pass
         for stream in cut:   # a final event for every stream cut short, rather than a silent hang-up
             stream.finished = True
             try:
@@ -120,7 +129,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._stop:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             # requests that free batch slots will take at the next step are not waiting: a burst fills the
             # batch and then the queue
             free = max(0, self.engine.max_batch_size - self.engine.num_running)
@@ -155,7 +164,7 @@ class AsyncEngine:
         future = loop.create_future()
         with self._lock:
             if self._stop:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             self._calls.append((fn, future))
         self._wake.set()
         return await future
@@ -199,7 +208,9 @@ class AsyncEngine:
                 submit, self._submit = self._submit, []
                 abort, self._abort = self._abort, []
             for rid in abort:
-                self.engine.abort(rid)
+                if self.engine.abort(rid):
+                    for observer in self.observers:
+                        observer.request_ended("abort")
                 self._records.pop(rid, None)
                 with self._lock:
                     self._streams.pop(rid, None)
@@ -237,6 +248,8 @@ class AsyncEngine:
                 record = self._records.get(ev.request_id)
                 if ev.error is not None:  # this request failed alone; the others go on
                     self._records.pop(ev.request_id, None)
+                    for observer in self.observers:
+                        observer.request_ended("error")
                     self._deliver(ev.request_id, RuntimeError(f"generation failed: {ev.error}"))
                     continue
                 if record is not None and ev.token_ids:

@@ -102,6 +102,9 @@ class ServerMetrics:
         self.drafts_proposed.labels(m).inc(stats.drafts_proposed)
         self.drafts_accepted.labels(m).inc(stats.drafts_accepted)
 
+    def request_ended(self, reason: str) -> None:
+        self.success.labels(self.model_name, reason).inc()
+
     def http_error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()
 
