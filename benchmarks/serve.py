@@ -15,21 +15,12 @@ import argparse
 import datetime
 import json
 import platform
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import torch
 
 from clover.evaluation.bench import run_bench, summarise
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from clover.serving.local import serve_subprocess
 
 
 def main() -> None:
@@ -41,19 +32,8 @@ def main() -> None:
     parser.add_argument("--algorithm", choices=["low_confidence", "ar", "verify"], help="(default: the server's)")
     parser.add_argument("--threshold", type=float, help="(default: the server's)")
     args = parser.parse_args()
-    port = _port()
-    cmd = [sys.executable, "-m", "clover", "serve", "--port", str(port), "--max-batch-size", "32"]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    serve_args = ["--max-batch-size", "32"] + (["--model", args.model] if args.model else [])
+    with serve_subprocess(serve_args) as (url, _):
         subjects = ["a stack", "a queue", "binary search", "a linked list", "merge sort", "a hash map", "a heap",
                     "a trie"]
         prompts = [f"Write a Python function for {subjects[i % len(subjects)]} (variant {i})."
@@ -75,9 +55,6 @@ def main() -> None:
         base = rows[0]["output_tokens_per_s"]
         for r in rows:
             r["throughput_vs_sequential"] = r["output_tokens_per_s"] / base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     conditions = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "torch": torch.__version__,
                   "threads": torch.get_num_threads(), "device": "cpu", "model": args.model or "shipped",
                   "max_tokens": args.max_tokens, "algorithm": args.algorithm, "threshold": args.threshold,

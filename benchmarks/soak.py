@@ -21,14 +21,13 @@ import datetime
 import json
 import platform
 import random
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
 
 import httpx
+
+from clover.serving.local import serve_subprocess
 
 # (body, whether it must be refused with a 4xx); the others are poison that must be answered alone
 HOSTILE = [(b, True) for b in [
@@ -48,12 +47,6 @@ HOSTILE = [(b, True) for b in [
     b'{"messages":[{"role":"user","content":"x"}],"temperature":5e-324,"max_tokens":4,"algorithm":"verify"}',
     b'{"messages":[{"role":"user","content":"x"}],"repetition_penalty":1e-300,"max_tokens":4,"temperature":1}',
 ]]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss_mb(pid: int) -> float:
@@ -87,21 +80,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    port = _port()
-    cmd = [sys.executable, "-m", "clover", "serve", "--port", str(port), "--max-batch-size", "16"]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     counts: Counter = Counter()
     lock = threading.Lock()
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with serve_subprocess(["--max-batch-size", "16"] + (["--model", args.model] if args.model else [])) as (url, proc):
         httpx.post(url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 8}, timeout=120)
         rss_start = _rss_mb(proc.pid)
         deadline = time.monotonic() + args.seconds
@@ -145,9 +126,6 @@ def main() -> None:
         time.sleep(1.0)
         health = httpx.get(url + "/health", timeout=10).json()
         rss_end = _rss_mb(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     total = sum(counts.values())
     server_errors = sum(v for (_, cls, _), v in counts.items() if cls == 5)
     lost = sum(v for (_, _, outcome), v in counts.items() if outcome == "lost")

@@ -17,22 +17,13 @@ import argparse
 import datetime
 import json
 import random
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from clover.serving.local import serve_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def code_items(count: int, seed: int = 0) -> list[dict]:
@@ -113,17 +104,7 @@ def main() -> None:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "clover", "serve", "--model", args.model, "--port", str(port),
-                             "--served-model-name", "clover"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with serve_subprocess(["--model", args.model, "--served-model-name", "clover"]) as (url, _):
         with tempfile.TemporaryDirectory() as tmp:
             write_tasks(Path(tmp), args.limit)
             t0 = time.perf_counter()
@@ -134,9 +115,6 @@ def main() -> None:
                 tasks=["clover_code_mc", "clover_arith_gen"], task_manager=TaskManager(include_path=tmp),
                 log_samples=False)
             wall = time.perf_counter() - t0
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     from lm_eval.utils import make_table
 
     print(make_table(out))

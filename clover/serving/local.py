@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -39,3 +41,33 @@ def serve_in_thread(app: FastAPI, timeout_s: float = 30.0) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=timeout_s + 30)
         sock.close()
+
+
+@contextlib.contextmanager
+def serve_subprocess(args: list[str], timeout_s: float = 120.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`clover serve ARGS...` in a child process on a free loopback port, until the block ends; yields its
+    base URL (`http://127.0.0.1:PORT`, without `/v1`) once /health answers, and the process. For benchmarks
+    and scripts that measure a server as users run it."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "clover", "serve", "--port", str(port), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"clover serve {' '.join(args)} did not start")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
