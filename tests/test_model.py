@@ -70,18 +70,24 @@ def test_invariant_holds_with_prefill_in_pieces_and_block_size_32():
 
 
 def test_preview_leaves_the_cache_untouched(debug_model):
+    """What a commit wrote stays as it was: lengths, GDN states and rings, and every K/V position below
+    each row's length (the buffer past it is scratch the attention may use without a copy)."""
     cache = debug_model.new_cache(2)
     ids = torch.randint(0, 500, (2, 11))
     with torch.no_grad():
-        debug_model.causal(ids, cache, logits="none")
-        before = [None if x is None else x.clone() for xs in (cache.keys, cache.values, cache.states, cache.rings)
-                  for x in xs]
-        lengths = cache.lengths.clone()
+        debug_model.causal(ids, cache, lengths=torch.tensor([11, 7]), logits="none")
+
+        def committed():
+            kv = [x[r, :, :n].clone() for xs in (cache.keys, cache.values) for x in xs if x is not None
+                  for r, n in enumerate(cache.lengths.tolist())]
+            return kv + [x.clone() for xs in (cache.states, cache.rings) for x in xs if x is not None]
+
+        before, lengths = committed(), cache.lengths.clone()
         debug_model.preview(torch.full((2, 8), debug_model.config.mask_token_id), cache)
-    after = [x for xs in (cache.keys, cache.values, cache.states, cache.rings) for x in xs]
-    assert torch.equal(cache.lengths, lengths)
+        after = committed()
+    assert torch.equal(cache.lengths, lengths) and len(before) == len(after)
     for x, y in zip(before, after, strict=True):
-        assert (x is None and y is None) or torch.equal(x, y)
+        assert torch.equal(x, y)
 
 
 def test_new_parameters_at_neutral_init_do_not_touch_causal_mode(debug_config):
@@ -218,9 +224,13 @@ def test_consecutive_rows_as_a_slice_equal_rows_as_a_tensor(debug_model):
     out_b = debug_model.causal(ids[1:3, 20:24], b, rows=slice(1, 3), logits="all")
     assert_close(out_b, out_a, atol=1e-6)
     assert a.lengths.tolist() == b.lengths.tolist() == [20, 17, 21, 9]
-    for x, y in zip(a.states + a.keys, b.states + b.keys, strict=True):
+    for x, y in zip(a.states, b.states, strict=True):
         if x is not None:
             assert_close(y, x, atol=1e-6)
+    for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):   # committed positions (the rest is scratch)
+        if x is not None:
+            for r, n in enumerate(a.lengths.tolist()):
+                assert_close(y[r, :, :n], x[r, :, :n], atol=1e-6)
     block = torch.full((2, 8), debug_model.config.mask_token_id)
     assert_close(debug_model.preview(block, b, rows=slice(2, 4)), debug_model.preview(block, a, rows=[2, 3]),
                  atol=1e-6)

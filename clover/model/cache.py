@@ -95,6 +95,22 @@ class PrefixCache:
         r = self._rows(rows)
         return self.keys[layer][r, :, :p], self.values[layer][r, :, :p]
 
+    def kv_with(self, layer: int, rows: torch.Tensor | slice | None, p: int, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [n,G,p+T,D] of `rows`: the first p cached positions followed by k, v [n,G,T,D]. Where the
+        buffer has room and the rows are all or a slice, k and v are written into the unused positions
+        p .. p+T-1 of the buffer (beyond every row's committed length, so nothing committed changes) and
+        views are returned: no copy of the cached positions. Otherwise the two are concatenated."""
+        t = k.shape[2]
+        keys, values = self.keys[layer], self.values[layer]
+        if isinstance(rows, torch.Tensor) or keys.dtype != k.dtype or p + t > keys.shape[2]:
+            pk, pv = self.kv(layer, rows, p)
+            return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        r = self._rows(rows)
+        keys[r, :, p: p + t] = k
+        values[r, :, p: p + t] = v
+        return keys[r, :, : p + t], values[r, :, : p + t]
+
     def gdn(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The GDN state [n,H,K,V] and conv ring [n,W-1,Q] of `rows`."""
         r = self._rows(rows)

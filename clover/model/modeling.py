@@ -111,15 +111,20 @@ class GatedAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
         past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
+        join: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N,T,D]; mask [N,1,T,P+T] bool over [past; own] keys. Returns (out [N,T,D], k, v [N,G,T,Dh])."""
+        """x [N,T,D]; mask [N,1,T,P+T] bool over [past; own] keys. Returns (out [N,T,D], k, v [N,G,T,Dh]).
+        The keys attended are [past_k; k], or what `join(k, v)` returns (the cache's, without a copy)."""
         n, t, _ = x.shape
         q, gate = self.q_proj(x).view(n, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)               # [N,A,T,Dh]
         k = apply_rope(self.k_norm(self.k_proj(x).view(n, t, self.kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)     # [N,G,T,Dh]
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        vals = v if past_v is None else torch.cat([past_v, v], dim=2)
+        if join is not None:
+            keys, vals = join(k, v)
+        else:
+            keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+            vals = v if past_v is None else torch.cat([past_v, v], dim=2)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         o = o.transpose(1, 2).reshape(n, t, -1) * torch.sigmoid(gate.reshape(n, t, -1))
         return self.o_proj(o), k, v
@@ -355,8 +360,8 @@ class CloverForCausalLM(nn.Module):
         lengths = self._lengths(input_ids, lengths, past)
         p = int(past.max()) if cache is not None else 0
         write = write and cache is not None
-        if write:
-            cache.reserve(int((past + lengths).max()), self.config.max_position_embeddings)
+        if write:   # room for the padded input too: attention reads the new keys from the buffer
+            cache.reserve(max(int((past + lengths).max()), p + t), self.config.max_position_embeddings)
         steps = torch.arange(t, device=input_ids.device)
         causal = (steps[None, :] <= steps[:, None])[None, None].expand(n, 1, t, t)
         mask = torch.cat([self._prefix_mask(past, p, t), causal], dim=-1)      # [N,1,T,P+T]
@@ -365,8 +370,8 @@ class CloverForCausalLM(nn.Module):
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             nonlocal zero_ring
             if layer.is_attention:
-                pk, pv = cache.kv(i, rows, p) if cache is not None and p > 0 else (None, None)
-                out, k, v = layer.self_attn(x, *rope, mask, pk, pv)
+                join = (lambda k, v: cache.kv_with(i, rows, p, k, v)) if cache is not None and p > 0 else None
+                out, k, v = layer.self_attn(x, *rope, mask, join=join)
                 if write:
                     cache.write_kv(i, k, v, lengths, rows)
                 return out
@@ -421,8 +426,8 @@ class CloverForCausalLM(nn.Module):
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             if layer.is_attention:
-                pk, pv = cache.kv(i, rows, p) if p > 0 else (None, None)
-                return layer.self_attn(x, *rope, mask, pk, pv)[0]
+                join = (lambda k, v: cache.kv_with(i, rows, p, k, v)) if p > 0 else None
+                return layer.self_attn(x, *rope, mask, join=join)[0]
             return layer.linear_attn.preview(x, *cache.gdn(i, rows), lengths)
 
         h, _ = self._run(block_ids, past[:, None] + steps[None, :], mixer)
