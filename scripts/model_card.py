@@ -113,8 +113,10 @@ def main() -> None:
                          f"{_fmt(r.get('match_vs_ar'), 2)} | {r['tpf']:.2f} | {r['tokens_per_s']:.1f} |")
         lines += ["", "Target at threshold 0.95: match at least 0.9x the AR decoder's, with TPF >= 2."]
     if tasks:
-        lines += ["", "Held-out synthetic agent tasks (`clover eval tasks`): test seeds, real chat template, engine, "
-                      "parser and tools, block diffusion at threshold 0.95:", "",
+        algo = tasks["runs"][0].get("algorithm", "low_confidence")
+        lines += ["", "Held-out synthetic agent tasks (`clover eval tasks`): test seeds, run by the agent harness "
+                      "against the model served in process (chat template, engine, server, parser, real tools), "
+                      f"{algo} at threshold {tasks['runs'][0].get('threshold')}:", "",
                   "| thinking | tasks | success | by family | how tasks ended |", "|---|---|---|---|---|"]
         for r in tasks["runs"]:
             fams = ", ".join(f"{k} {v:.0%}" for k, v in r["by_family"].items())
