@@ -24,7 +24,7 @@ import torch
 
 from clover.engine.policies import POLICIES, Policy
 from clover.engine.prefix_cache import PrefixStore, block_keys
-from clover.engine.sampling import SamplingParams, TokenLogprob, token_logprobs
+from clover.engine.sampling import InvalidParameter, SamplingParams, TokenLogprob, token_logprobs
 from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
 from clover.engine.structured import GrammarCompiler
 from clover.model.cache import PrefixCache
@@ -77,11 +77,7 @@ class Engine:
         params.validate(self.config.vocab_size)
         if params.algorithm not in self.policies:
             raise ValueError(f"algorithm must be one of {sorted(self.policies)}, got {params.algorithm!r}")
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("prompt is empty: give at least one token")
-        if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
-            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {self.config.vocab_size})")
+        prompt = self.check_prompt(prompt_ids)
         limit = self.config.max_position_embeddings
         if len(prompt) + params.max_new_tokens > limit:
             raise ValueError(
@@ -109,16 +105,23 @@ class Engine:
         ))
         return rid
 
+    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt as ints; InvalidParameter("prompt") when it is empty or leaves the vocabulary."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise InvalidParameter("prompt", "prompt is empty: give at least one token")
+        bad = next((t for t in prompt if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            raise InvalidParameter("prompt", f"prompt token {bad} is outside the vocabulary [0, "
+                                             f"{self.config.vocab_size})")
+        return prompt
+
     @torch.inference_mode()
     def score(self, prompt_ids: Sequence[int], top_n: int = 0) -> list[TokenLogprob | None]:
         """The causal head's log-probability of every prompt token given the ones before it (None for the
         first, which nothing predicts) and the top `top_n` at each position: one causal forward, no cache
         (the prompt scoring of /v1/completions with echo and logprobs)."""
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
-            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {self.config.vocab_size})")
+        ids = self.check_prompt(prompt_ids)
         if len(ids) > self.config.max_position_embeddings:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the context limit of "
                              f"{self.config.max_position_embeddings} tokens")
@@ -368,15 +371,21 @@ class Engine:
     def is_stop_token(self, s: SequenceState, t: int) -> bool:
         return (t in self.eos_ids and not s.params.ignore_eos) or t in s.params.stop_token_ids
 
-    def hold_stops(self, s: SequenceState, logits: torch.Tensor, first: int) -> torch.Tensor:
-        """min_tokens: logits [M,V] of response positions first .. first+M-1 with every stop token at -inf
-        where the position is below params.min_tokens."""
-        early = s.params.min_tokens - first
-        if early <= 0 or (s.matcher is not None and s.matcher.finished):
+    def hold_stops(self, s: SequenceState, logits: torch.Tensor, positions: torch.Tensor | int) -> torch.Tensor:
+        """min_tokens: logits [M,V] whose rows predict response positions `positions` [M] (an int: M
+        consecutive positions from it), with every stop token at -inf where the position is below
+        params.min_tokens."""
+        if s.params.min_tokens <= 0 or (s.matcher is not None and s.matcher.finished):
             return logits   # a complete grammar ends the reply: it wins over min_tokens
-        stops = sorted(t for t in (*self.eos_ids, *s.params.stop_token_ids) if self.is_stop_token(s, t))
+        if isinstance(positions, int):
+            positions = positions + torch.arange(logits.shape[0])
+        early = (positions < s.params.min_tokens).nonzero().squeeze(-1).to(logits.device)
+        if not len(early):
+            return logits
+        stops = torch.tensor(sorted(t for t in (*self.eos_ids, *s.params.stop_token_ids) if self.is_stop_token(s, t)),
+                             device=logits.device)
         logits = logits.clone()
-        logits[:early, stops] = float("-inf")
+        logits[early[:, None], stops] = float("-inf")
         return logits
 
     def emit_final(self, s: SequenceState, tokens: list[int], steps: list[int], events: list[Event],

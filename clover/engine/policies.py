@@ -175,13 +175,9 @@ class LowConfidence(_Blocks):
             self._accept_in_order(engine, s, logits)
             return
         masked = (~s.resolved).nonzero().squeeze(-1)                            # [M]
-        logits = engine.mask_out(logits)
-        if p.min_tokens:   # slot k holds response position len(generated) + k - fixed
-            logits = engine.hold_stops(s, logits[s.fixed:], len(s.generated))
-            masked_rows = masked - s.fixed
-        else:
-            masked_rows = masked
-        tokens, conf = pick_tokens(logits[masked_rows], p, s.counts, s.generator)
+        # slot k holds response position len(generated) + k - fixed
+        rows = engine.hold_stops(s, engine.mask_out(logits[masked]), len(s.generated) + masked.cpu() - s.fixed)
+        tokens, conf = pick_tokens(rows, p, s.counts, s.generator)
         accept = conf >= p.threshold
         if not bool(accept.any()):
             accept[conf.argmax()] = True

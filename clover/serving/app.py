@@ -445,12 +445,11 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     # -- completions --------------------------------------------------------------------------------------
     MAX_PROMPTS = 64
 
-    async def _prompt_ids(prompt: Any) -> tuple[list[tuple[str | None, list[int]]], bool]:
-        """The request's prompts as (text or None, ids) and whether it was a batch."""
-        if isinstance(prompt, str) or (prompt and all(isinstance(x, int) for x in prompt)):
-            items, batch = [prompt], False
-        else:
-            items, batch = list(prompt), True
+    async def _prompt_ids(prompt: Any) -> list[tuple[str | None, list[int]]]:
+        """The request's prompts (one, or a batch) as (text or None, ids); token ids checked by the engine's
+        own check (before anything decodes them)."""
+        items = [prompt] if isinstance(prompt, str) or (prompt and all(isinstance(x, int) for x in prompt)) \
+            else list(prompt)
         if not items or len(items) > MAX_PROMPTS:
             raise APIError(400, f"give 1 to {MAX_PROMPTS} prompts", param="prompt")
         out = []
@@ -460,17 +459,16 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             if isinstance(item, str):
                 out.append((item, await asyncio.to_thread(tokenizer.encode, item)))
             else:
-                bad = next((x for x in item if not 0 <= x < model.config.vocab_size), None)
-                if bad is not None:
-                    raise APIError(400, f"prompt token {bad} is outside the vocabulary [0, "
-                                        f"{model.config.vocab_size})", param="prompt")
-                out.append((None, list(item)))
-        return out, batch
+                try:
+                    out.append((None, engine.engine.check_prompt(item)))
+                except InvalidParameter as exc:
+                    raise APIError(400, str(exc), param=exc.param) from exc
+        return out
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         req: CompletionRequest = await _body(request, CompletionRequest)
-        prompts, _ = await _prompt_ids(req.prompt)
+        prompts = await _prompt_ids(req.prompt)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens 0 generates nothing; add echo (with logprobs) to score the prompt",
                            param="max_tokens")
@@ -507,15 +505,14 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             text, ids, score = echo[i]
             return text, None if req.logprobs is None else _completion_logprobs(namer, ids, score, 0)
 
-        usage = {"prompt_tokens": sum(len(ids) for _, ids in prompts)}
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
         if scoring:
             out = []
             for c in choices:
                 text, logprobs = head(c.index)
                 out.append({"index": c.index, "text": text, "finish_reason": "length", "logprobs": logprobs})
-            usage |= {"completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
             return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                    "choices": out, "usage": usage}
+                    "choices": out, "usage": _usage(prompt_tokens, [])}
 
         events = _merged(jobs, None if req.stream else request)
         try:
@@ -533,12 +530,6 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             async for item in events:
                 yield item
 
-        def usage_of(choices_: list[_Choice]) -> dict:
-            done = sum(c.result.stats.generated_tokens for c in choices_ if c.result)
-            nfe = sum(c.result.stats.nfe for c in choices_ if c.result)
-            return usage | {"completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done, "nfe": nfe,
-                            "tpf": done / nfe if nfe else 0.0}
-
         if not req.stream:
             async for i, ev in each():
                 if ev.finished:
@@ -552,7 +543,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 out.append({"index": c.index, "text": text + c.result.text, "finish_reason": reason(c.result),
                             "logprobs": logprobs})
             return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                    "choices": out, "usage": usage_of(choices)}
+                    "choices": out, "usage": _usage(prompt_tokens, choices)}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -583,7 +574,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 yield error_event(_start_error(exc))
                 return
             if include_usage:
-                yield body([], usage_of(choices))
+                yield body([], _usage(prompt_tokens, choices))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
