@@ -122,8 +122,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "agent", help="agent workloads (tools, memory, coding, humaneval) against OpenAI-compatible endpoints",
         description="A fixed agent loop (same prompts, tools, timeouts, step limit and retry policy for every model) "
                     "over the OpenAI chat API with tools. Writes metadata, transcripts, results.jsonl, summary.json, "
-                    "report.md and PNG plots to --out; --resume continues an interrupted run. Model-written code "
-                    "runs only in a subprocess with time and memory limits in the task's temporary directory.",
+                    "report.md and PNG plots to --out; --resume continues an interrupted run. Model-written code runs "
+                    "in a subprocess with time and memory limits in the task's directory, inside bubblewrap "
+                    "namespaces (no network, read-only elsewhere) where it is installed.",
         epilog="example: clover eval agent --endpoint http://127.0.0.1:8000/v1 --model clover-tiny --runs 3 "
                "--condition '{\"algorithm\": \"ar\"}' --condition '{\"algorithm\": \"low_confidence\", "
                "\"block_size\": 32}' --out reports/agent",

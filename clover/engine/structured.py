@@ -99,12 +99,6 @@ class GrammarCompiler:
         self._tokenizer = ll.LLTokenizer(tokenizer.tk.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
         self.eos_ids = frozenset(eos_ids)
 
-    def check(self, constraint: Constraint) -> None:
-        """Raise GrammarError if the constraint does not compile."""
-        is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(_grammar(constraint), self._tokenizer)
-        if is_error:
-            raise GrammarError(f"{constraint.kind}: {messages[0] if messages else 'invalid grammar'}")
-
     def matcher(self, constraint: Constraint) -> Matcher:
         m = self._ll.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
         if m.is_error():

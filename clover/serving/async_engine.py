@@ -36,17 +36,12 @@ class _Stream:
 
 @dataclass
 class Stats:
-    """Running totals of the engine thread (exported on /metrics)."""
+    """Running totals of the engine thread (exported on /metrics; per-request figures go to the observers)."""
 
     requests: int = 0
     rejected: int = 0
     aborted: int = 0
-    finished: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    nfe: int = 0
     steps: int = 0
-    step_seconds: float = 0.0
 
 
 @dataclass
@@ -140,7 +135,6 @@ class AsyncEngine:
             self._records[rid] = RequestRecord(submitted=time.perf_counter())
             self._submit.append((rid, list(prompt_ids), params))
             self.stats.requests += 1
-            self.stats.prompt_tokens += len(prompt_ids)
         self._wake.set()
         try:
             while True:
@@ -231,7 +225,6 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
                     events = self.engine.step()
@@ -242,7 +235,6 @@ class AsyncEngine:
                     self._deliver(rid, RuntimeError(f"engine failure: {exc}"))
                 continue
             self.stats.steps += 1
-            self.stats.step_seconds += time.perf_counter() - t0
             now = time.perf_counter()
             for ev in events:
                 record = self._records.get(ev.request_id)
@@ -259,14 +251,10 @@ class AsyncEngine:
                     else:
                         record.token_gaps += [(now - record.last_token) / len(ev.token_ids)] * len(ev.token_ids)
                     record.last_token = now
-                if ev.finished and ev.result is not None:
-                    self.stats.finished += 1
-                    self.stats.generated_tokens += ev.result.stats.generated_tokens
-                    self.stats.nfe += ev.result.stats.nfe
-                    if record is not None:
-                        record.finished, record.result = now, ev.result
-                        for observer in self.observers:
-                            observer.request_finished(record)
+                if ev.finished and ev.result is not None and record is not None:
+                    record.finished, record.result = now, ev.result
+                    for observer in self.observers:
+                        observer.request_finished(record)
                 if ev.finished:
                     self._records.pop(ev.request_id, None)
                 self._deliver(ev.request_id, ev)
