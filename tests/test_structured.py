@@ -174,6 +174,10 @@ def test_logit_bias_and_min_tokens(url, setup):
     status, body = _chat(url, messages=[{"role": "user", "content": "x"}], logit_bias={str(eos): 100},
                          min_tokens=5, algorithm="ar", max_tokens=50, chat_template_kwargs={"enable_thinking": False})
     assert status == 200 and body["usage"]["completion_tokens"] == 5, body   # held back 5 tokens, then ended
+    for algorithm in ALGORITHMS:   # min_tokens with nothing that could stop the reply: nothing to hold back
+        status, body = _chat(url, messages=[{"role": "user", "content": "x"}], min_tokens=3, ignore_eos=True,
+                             max_tokens=4, algorithm=algorithm)
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
     status, body = _chat(url, messages=[{"role": "user", "content": "x"}], logit_bias={"65": 100}, max_tokens=6,
                          ignore_eos=True, chat_template_kwargs={"enable_thinking": False})
     assert status == 200 and body["choices"][0]["message"]["content"] == tok.decode([65]) * 6

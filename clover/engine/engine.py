@@ -380,10 +380,10 @@ class Engine:
         if isinstance(positions, int):
             positions = positions + torch.arange(logits.shape[0])
         early = (positions < s.params.min_tokens).nonzero().squeeze(-1).to(logits.device)
-        if not len(early):
+        stops = sorted(t for t in (*self.eos_ids, *s.params.stop_token_ids) if self.is_stop_token(s, t))
+        if not len(early) or not stops:   # (with ignore_eos and no stop ids nothing stops a reply)
             return logits
-        stops = torch.tensor(sorted(t for t in (*self.eos_ids, *s.params.stop_token_ids) if self.is_stop_token(s, t)),
-                             device=logits.device)
+        stops = torch.tensor(stops, dtype=torch.long, device=logits.device)
         logits = logits.clone()
         logits[early[:, None], stops] = float("-inf")
         return logits
