@@ -21,16 +21,26 @@ MIX=code=0.45,english=0.25,chat=0.3
 SFT_MIX=chat=0.8,code=0.15,english=0.05
 
 stage() { echo "== $* ($(date +%H:%M:%S))" >&2; }
+# timed NAME CMD...: run a step and append its wall time to $RUNS/times.jsonl (the model card sums the
+# records of every sitting, so a recipe run in several sittings still gets its true total)
+timed() {
+  local name=$1 t0; shift
+  t0=$(date +%s)
+  "$@"
+  mkdir -p "$RUNS"
+  echo "{\"step\": \"$name\", \"seconds\": $(( $(date +%s) - t0 )), \"finished\": \"$(date -Iseconds)\"}" \
+    >> "$RUNS/times.jsonl"
+}
 
 # train RUN_DIR ARGS...: continue the run if it has a checkpoint, skip it if it finished, else start it.
 train() {
   local out=$1; shift
   if [ -f "$out/DONE" ]; then return; fi
   if [ -f "$out/checkpoint/trainer_state.pt" ]; then
-    "$BIN/clover" train --out "$out" "$@" --resume
+    timed "train $(basename "$out")" "$BIN/clover" train --out "$out" "$@" --resume
   else
     rm -rf "$out"
-    "$BIN/clover" train --out "$out" "$@"
+    timed "train $(basename "$out")" "$BIN/clover" train --out "$out" "$@"
   fi
   touch "$out/DONE"
 }
@@ -39,13 +49,13 @@ start=$(date +%s)
 if [ ! -f "$DATA/tokens/counts.json" ]; then
   stage "data: corpus, tokenizer, token shards"
   rm -rf "$DATA"
-  "$BIN/clover" data build --out "$DATA" --vocab-size 8192 --chat-train 40000
+  timed "data build" "$BIN/clover" data build --out "$DATA" --vocab-size 8192 --chat-train 40000
 fi
 stage "AR pretraining"
 train "$RUNS/ar" --data "$DATA" --init preset:tiny --objective ar --steps "$AR_STEPS" --batch-size 8 \
   --seq-len 512 --lr 3e-3 --warmup 100 --mix "$MIX" --pack --eval-every 300 --save-every 50
 stage "convert the AR parent into a block-diffusion model"
-[ -f "$RUNS/diff-init/config.json" ] || "$BIN/clover" convert "$RUNS/ar/model" "$RUNS/diff-init"
+[ -f "$RUNS/diff-init/config.json" ] || timed convert "$BIN/clover" convert "$RUNS/ar/model" "$RUNS/diff-init"
 stage "block-diffusion adaptation"
 train "$RUNS/diff" --data "$DATA" --init "$RUNS/diff-init" --objective diffusion --ar-loss-weight 1.0 \
   --steps "$DIFF_STEPS" --batch-size 8 --seq-len 512 --lr 1e-3 --warmup 50 --mix "$MIX" --pack --eval-every 350 \
@@ -55,7 +65,7 @@ train "$RUNS/sft" --data "$DATA" --init "$RUNS/diff/model" --objective diffusion
   --steps "$SFT_STEPS" --batch-size 4 --seq-len 1024 --lr 5e-4 --warmup 30 --mix "$SFT_MIX" --pack --eval-every 200 \
   --save-every 25
 stage "self-distillation data: the SFT model's greedy ar replies and code continuations"
-[ -f "$RUNS/distill-data/tokens/counts.json" ] || "$BIN/clover" data distill --model "$RUNS/sft/model" --data "$DATA" \
+[ -f "$RUNS/distill-data/tokens/counts.json" ] || timed "data distill" "$BIN/clover" data distill --model "$RUNS/sft/model" --data "$DATA" \
   --out "$RUNS/distill-data" --chat "$DISTILL_CHAT" --code "$DISTILL_CODE"
 stage "self-distillation"
 train "$RUNS/distill" --data "$RUNS/distill-data" --init "$RUNS/sft/model" --objective diffusion --sft \
@@ -69,5 +79,4 @@ from clover.model.tokenizer import Tokenizer
 src, dst = sys.argv[1:]
 save_checkpoint(load_checkpoint(src), dst, dtype="bfloat16", extra_files=Tokenizer.load(src).files())
 PY
-echo "{\"recipe_wall_seconds\": $(( $(date +%s) - start ))}" > "$RUNS/wall_time.json"
-stage "done in $(( ($(date +%s) - start) / 60 )) minutes"
+stage "done; this sitting took $(( ($(date +%s) - start) / 60 )) minutes (every sitting: $RUNS/times.jsonl)"

@@ -40,3 +40,20 @@ def test_bits_per_byte_matches_a_direct_computation(tok, tmp_path):
     n = len("".join(docs).encode())
     assert got["bytes"] == n and abs(got["model_bits_per_byte"] - nll / math.log(2) / n) < 1e-4
     assert 0 < got["xz9_bits_per_byte"] and 0 < got["gzip9_bits_per_byte"]
+
+
+def test_continuation_match_rows_and_verify_equals_ar(tok, tmp_path):
+    """Every decoder gets a row; verify's tokens equal ar's (same_as_ar 1.0), so its match is ar's."""
+    import numpy as np
+    ids = [i for i in tok.encode("def f(x):\n    return x * 2\n" * 40) if i != tok.special_ids["<|endoftext|>"]]
+    (tmp_path / "tokens").mkdir()
+    np.asarray(ids, dtype=np.uint16).tofile(tmp_path / "tokens" / "test_code.bin")
+    config = CloverConfig.preset("debug", vocab_size=640, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    got = scores.continuation_match(perturbed_model(config), tok, tmp_path, count=3, new_tokens=12,
+                                    thresholds=(0.9,), block_size=8, batch=2)
+    rows = {r["algorithm"]: r for r in got["results"]}
+    assert list(rows) == ["ar", "low_confidence", "verify"]
+    assert rows["ar"]["same_as_ar"] == 1.0 and rows["ar"]["tpf"] == 1.0
+    assert rows["verify"]["same_as_ar"] == 1.0 and rows["verify"]["match"] == rows["ar"]["match"]
+    assert all(0.0 <= r["match"] <= 1.0 and r["tpf"] > 0 for r in rows.values())

@@ -87,7 +87,9 @@ def continuation_match(model: CloverForCausalLM, tok: Tokenizer, data: str | Pat
     engine = Engine(model, tok, max_batch_size=batch)
     rows = []
     base = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, block_size=block_size)
-    settings = [("ar", None)] + [("low_confidence", th) for th in thresholds]
+    # verify: lossless, so its tokens must equal ar's (same_as_ar checks it); what it adds is TPF
+    settings = [("ar", None)] + [("low_confidence", th) for th in thresholds] + [("verify", None)]
+    ar_tokens: list[list[int]] = []
     for algorithm, threshold in settings:
         params = base.with_(algorithm=algorithm, threshold=base.threshold if threshold is None else threshold)
         t0 = time.perf_counter()
@@ -97,9 +99,13 @@ def continuation_match(model: CloverForCausalLM, tok: Tokenizer, data: str | Pat
                  for r, (_, truth) in zip(results, pairs, strict=True)]
         generated = sum(len(r.token_ids) for r in results)
         nfe = sum(r.stats.nfe for r in results)
+        if algorithm == "ar":
+            ar_tokens = [r.token_ids for r in results]
+        same = sum(a == b for r, ref in zip(results, ar_tokens, strict=True)
+                   for a, b in zip(r.token_ids, ref, strict=False)) / max(sum(len(ref) for ref in ar_tokens), 1)
         rows.append({"algorithm": algorithm, "threshold": threshold, "match": float(np.mean(match)),
                      "match_stderr": float(np.std(match) / math.sqrt(len(match))), "tpf": generated / nfe,
-                     "tokens_per_s": generated / wall, "wall_s": wall})
+                     "tokens_per_s": generated / wall, "wall_s": wall, "same_as_ar": same})
     ar = rows[0]["match"]
     for r in rows[1:]:
         r["match_vs_ar"] = r["match"] / ar if ar else None
