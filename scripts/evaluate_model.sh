@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The model card's held-out figures for a built model, written into RUNS (read by scripts/model_card.py):
+#   eval_bpb_ar.json     bits per byte of the AR parent (RUNS/ar/model) on the test split
+#   eval_bpb_final.json  the same for MODEL's AR head
+#   eval_match.json      held-out code continuations: ar, block diffusion at 0.7 / 0.9 / 0.95, verify
+#   eval_tasks.json      `clover eval tasks` (harness suite synthetic, in process), 20 tasks, thinking off, ar
+#   bench_train.json     benchmarks/train.py (training throughput of the tiny shape)
+# The agent suites run through `clover serve`: scripts/agent_reports.sh agent.
+# usage: scripts/evaluate_model.sh [MODEL_DIR] [RUNS_DIR]     (about 15 minutes on 2 idle cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+MODEL=${1:-clover/weights/clover-tiny}
+RUNS=${2:-runs/recipe}
+DATA=${DATA:-data}
+step() { echo "== $* ($(date +%H:%M:%S))" >&2; }
+
+step "bits per byte: AR parent and $MODEL"
+[ -f "$RUNS/eval_bpb_ar.json" ] || "$BIN/clover" eval bpb --model "$RUNS/ar/model" --data "$DATA" --out "$RUNS/eval_bpb_ar.json"
+"$BIN/clover" eval bpb --model "$MODEL" --data "$DATA" --out "$RUNS/eval_bpb_final.json"
+step "code continuations"
+"$BIN/clover" eval match --model "$MODEL" --data "$DATA" --out "$RUNS/eval_match.json"
+step "synthetic agent tasks"
+"$BIN/clover" eval tasks --model "$MODEL" --count 20 --thinking off --algorithm ar --out "$RUNS/eval_tasks.json"
+step "training throughput"
+"$BIN/python" benchmarks/train.py --shapes tiny --steps 3 --compile | tail -1 > "$RUNS/bench_train.json"
+step "done"
