@@ -43,14 +43,6 @@ MIX = "code=0.45,english=0.25,chat=0.3"   # the recipe's pretraining mix
 BATCH, SEQ_LEN, LR, WARMUP = 8, 512, 3e-3, 20
 
 
-def parameters(config: CloverConfig) -> tuple[int, int]:
-    """(total, active per token) parameters: all routed experts but the top-k count only as total."""
-    total = sum(p.numel() for p in CloverForCausalLM(config).parameters())
-    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
-    idle = (config.num_experts - config.num_experts_per_tok) * per_expert * config.num_hidden_layers
-    return total, total - idle
-
-
 def run_shape(name: str, overrides: dict, args: argparse.Namespace, tok: Tokenizer) -> dict:
     out = Path(args.out) / name
     shutil.rmtree(out, ignore_errors=True)
@@ -72,7 +64,7 @@ def run_shape(name: str, overrides: dict, args: argparse.Namespace, tok: Tokeniz
     model = load_checkpoint(out / "run" / "model").eval()
     bpb = {kind: scores.bits_per_byte(model, tok, args.data, kind, "val", 512, args.eval_bytes)["model_bits_per_byte"]
            for kind in ("code", "english")}
-    total, active = parameters(config)
+    total, active = config.num_parameters()
     return {"shape": name, "overrides": overrides, "params_total": total, "params_active": active,
             "probe_tokens_per_s": tokens_per_s, "steps": steps, "tokens": steps * BATCH * SEQ_LEN,
             "train_wall_s": wall, "val_bpb_code": bpb["code"], "val_bpb_english": bpb["english"]}

@@ -110,6 +110,37 @@ def test_a_budget_below_zero_is_refused(model):
         Engine(model, prefix_cache_bytes=-1)
 
 
+def test_chunked_prefill_grows_the_cache_once_in_a_step_that_prefills_nothing(model, monkeypatch):
+    """All rows share one K/V capacity: a long prompt grows it once, for the whole prompt, in a step of its
+    own, so no step of the other streams carries both that copy and a prefill chunk."""
+    engine = Engine(model, max_prefill_tokens=64)
+    short = engine.add_request(_tokens(5, 50), _params("ar", 300))
+    engine.step()
+    long = engine.add_request(_tokens(600, 51), _params("ar", 4))
+    fed: list[int] = []
+    real = model.causal
+
+    def causal(ids, *a, **kw):
+        fed.append(int(kw["lengths"].sum()))
+        return real(ids, *a, **kw)
+
+    monkeypatch.setattr(model, "causal", causal)
+    steps = []                                           # (capacity grew, largest prefill fed, short got a token)
+    started = False
+    while not started:
+        fed.clear()
+        before = engine.cache.capacity
+        events = engine.step()
+        started = any(ev.request_id == long and ev.token_ids for ev in events)
+        steps.append((engine.cache.capacity > before, max(fed, default=0),
+                      any(ev.request_id == short and ev.token_ids for ev in events)))
+    grew = [s for s in steps if s[0]]
+    assert len(grew) == 1 and grew[0][1] <= 1 and grew[0][2]     # one growth; that step fed the short stream only
+    assert engine.cache.capacity >= 600 + 8
+    assert sum(1 for s in steps if s[1] == 64) == 600 // 64      # the prompt still went in 64-token chunks
+    assert all(s[2] for s in steps)                              # the short stream advanced every step
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_chunked_prefill_gives_the_same_output_and_bounds_each_step(model, algorithm, monkeypatch):
     prompts = [_tokens(150, 40), _tokens(5, 41), _tokens(53, 42)]

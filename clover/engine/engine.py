@@ -179,6 +179,14 @@ class Engine:
                 break
             chunk.append((s, take))
             budget -= take
+        need = max((s.pos + n for s, n in chunk), default=0)
+        if need > self.cache.capacity:
+            # All rows share one K/V capacity, and growing it copies every row's keys and values. Grow
+            # once, for the whole prompts plus a block, in a step that prefills nothing: the other
+            # sequences' steps are then delayed by that copy or by one chunk, never by both.
+            whole = max(len(s.prompt) for s, _ in chunk) + size
+            self.cache.reserve(whole, max(whole, self.config.max_position_embeddings))
+            chunk = []
         if chunk:
             seqs = [s for s, _ in chunk]
             self.forward(seqs, "causal", self.pad([s.prompt[s.pos: s.pos + n] for s, n in chunk], 0),
