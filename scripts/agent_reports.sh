@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The committed reports under reports/, against a fresh `clover serve` with the shipped model:
-#   agent      clover eval agent: tools, memory, coding; ar vs block diffusion at blocks 8/16/32; 3 runs
-#   humaneval  clover eval agent: all 164 HumanEval problems; ar vs block 32; 1 run
+#   agent      clover eval agent: tools, memory, heldout (tool schemas never used in training), coding;
+#              ar, verify, block diffusion at blocks 16 and 32 (threshold 0.95); 3 runs (TASKS per suite)
+#   humaneval  clover eval agent: all 164 HumanEval problems; ar, verify, block 32; 1 run
 #   bench      clover bench serve at concurrency 1 and 8
 #   sft        two endpoints side by side: the shipped model and the recipe's checkpoint before SFT
 #              (runs/recipe/diff/model, from `make model`)
 # usage: scripts/agent_reports.sh [agent] [humaneval] [bench] [sft]   (no argument: all four)
-# Each part replaces its report. About 35 minutes on 2 CPU cores for all four.
+# Each part replaces its report. TASKS (default 8) sets the tasks per suite of the agent part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
@@ -14,6 +15,8 @@ PORT=${PORT:-8300}
 PARTS=${*:-agent humaneval bench sft}
 URL=http://127.0.0.1:$PORT/v1
 AR='{"algorithm": "ar"}'
+VERIFY='{"algorithm": "verify"}'
+TASKS=${TASKS:-8}
 block() { echo "{\"algorithm\": \"low_confidence\", \"block_size\": $1, \"threshold\": 0.95}"; }
 
 # serve PORT ARGS...: start `clover serve` in the background and wait until it answers /health
@@ -41,14 +44,14 @@ if has agent || has humaneval || has bench; then
 fi
 if has agent; then
   fresh reports/agent-clover-tiny
-  "$BIN/clover" eval agent --endpoint "clover-tiny=$URL" --model clover-tiny --suite tools,memory,coding --tasks 4 \
-    --runs 3 --max-tokens 128 --condition "$AR" --condition "$(block 8)" --condition "$(block 16)" \
+  "$BIN/clover" eval agent --endpoint "clover-tiny=$URL" --model clover-tiny --suite tools,memory,heldout,coding \
+    --tasks "$TASKS" --runs 3 --max-tokens 128 --condition "$AR" --condition "$VERIFY" --condition "$(block 16)" \
     --condition "$(block 32)" --out reports/agent-clover-tiny
 fi
 if has humaneval; then
   fresh reports/humaneval-clover-tiny
   "$BIN/clover" eval agent --endpoint "clover-tiny=$URL" --model clover-tiny --suite humaneval --runs 1 \
-    --max-tokens 128 --condition "$AR" --condition "$(block 32)" --out reports/humaneval-clover-tiny
+    --max-tokens 128 --condition "$AR" --condition "$VERIFY" --condition "$(block 32)" --out reports/humaneval-clover-tiny
 fi
 if has bench; then
   for c in 1 8; do
