@@ -31,6 +31,9 @@ def _stage(run: Path) -> dict:
     train = [r for r in log if r["kind"] == "train"]
     evals = [r for r in log if r["kind"] == "eval"]
     # training time from the trainer's own records: each logged interval's tokens over its measured rate
+    # (tokens_seen counts whole rows, the rate real tokens; the recipe packs its rows, so they agree)
+    if not train:
+        raise SystemExit(f"{run}/log.jsonl has no training records")
     seconds, seen = 0.0, 0
     for r in train:
         seconds += (r["tokens_seen"] - seen) / r["tokens_per_s"]
@@ -52,6 +55,8 @@ def _agent_rows(report: Path) -> dict[tuple[str, str], dict]:
             mine = [r for r in results if r["condition"] == cname and r["suite"] == suite
                     and r["reason"] != "infrastructure_error"]
             n = len(mine)
+            if not n:
+                continue
             p = sum(r["success"] for r in mine) / n
             calls = sum(r["tool_calls"] for r in mine)
             bad = sum(r["malformed"] for r in mine)           # invalid arguments + leaked markup
@@ -59,7 +64,7 @@ def _agent_rows(report: Path) -> dict[tuple[str, str], dict]:
             rows[(cname, suite)] = {
                 "params": s["params"], "runs": n, "success": p, "stderr": math.sqrt(p * (1 - p) / n),
                 "median_s": statistics.median(r["total_s"] for r in mine), "tokens_per_s": b["tokens_per_s"],
-                "tpf": b["tpf"], "malformed": bad / attempted if attempted else 0.0}
+                "tpf": b["tpf"], "malformed": bad / attempted if attempted else None}
     return rows
 
 
@@ -158,17 +163,18 @@ def main() -> None:
         c = sweep["conditions"]
         lines += ["", "## Shape sweep", "",
                   f"`python benchmarks/sweep.py --data data --minutes {c['minutes_per_shape']:g}`: AR pretraining from "
-                  f"random weights, {c['minutes_per_shape']:g} minutes of training per shape, steps sized from each "
-                  f"shape's measured speed so the whole schedule fits; batch {c['batch']} x {c['seq_len']}; scored on "
+                  f"random weights, about {c['minutes_per_shape']:g} minutes of training per shape (steps sized from each "
+                  f"shape's measured speed so the whole schedule fits; the measured time is in the table); batch {c['batch']} x {c['seq_len']}; scored on "
                   f"the validation split ({c['eval']}):", "",
-                  "| shape | change from tiny | params total / active | tokens/s | steps | val bits/byte code | "
-                  "val bits/byte English |", "|---|---|---|---|---|---|---|"]
+                  "| shape | change from tiny | params total / active | tokens/s | steps | training time | "
+                  "val bits/byte code | val bits/byte English |", "|---|---|---|---|---|---|---|---|"]
         for r in sweep["results"]:
             change = ", ".join(f"{k} {v}" for k, v in r["overrides"].items()) or "-"
             lines.append(f"| {r['shape']} | {change} | {r['params_total'] / 1e6:.1f}M / {r['params_active'] / 1e6:.1f}M"
-                         f" | {r['probe_tokens_per_s']:,.0f} | {r['steps']} | {r['val_bpb_code']:.3f} | "
+                         f" | {r['probe_tokens_per_s']:,.0f} | {r['steps']} | {r['train_wall_s'] / 60:.1f} min | {r['val_bpb_code']:.3f} | "
                          f"{r['val_bpb_english']:.3f} |")
-        lines += ["", f"Lowest held-out bits per byte for the budget: {sweep['summary']['best']}."]
+        lines += ["", f"Lowest held-out bits per byte (code and English added) for the budget: "
+                      f"{sweep['summary']['best']}."]
     lines += ["", "## Measured", ""]
     if bpb_ar:
         lines += ["Held-out bits per byte (`clover eval bpb --model runs/recipe/ar/model --data data` for the AR "
@@ -192,7 +198,7 @@ def main() -> None:
                   "| decoder | threshold | match | match / ar | same tokens as ar | TPF | tokens/s |",
                   "|---|---|---|---|---|---|---|"]
         for r in match["results"]:
-            lines.append(f"| {r['algorithm']} | {r['threshold'] or '-'} | {r['match']:.3f} ± {r['match_stderr']:.3f} | "
+            lines.append(f"| {r['algorithm']} | {'-' if r['threshold'] is None else r['threshold']} | {r['match']:.3f} ± {r['match_stderr']:.3f} | "
                          f"{_fmt(r.get('match_vs_ar'), 2)} | {_fmt(r.get('same_as_ar'), 3)} | {r['tpf']:.2f} | "
                          f"{r['tokens_per_s']:.1f} |")
         lines += ["", "Target at threshold 0.95: TPF >= 1.5 with match at least 0.9x the `ar` decoder's."]
@@ -205,12 +211,12 @@ def main() -> None:
         order = list(dict.fromkeys(c for c, _ in agent))
         for (_cname, suite), r in sorted(agent.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
             lines.append(f"| {suite} | {_condition(r['params'])} | {r['runs']} | {r['success']:.0%} ± "
-                         f"{r['stderr']:.0%} | {r['median_s']:.1f} s | {r['tokens_per_s']:.1f} | {r['tpf']:.2f} | "
-                         f"{r['malformed']:.3f} |")
+                         f"{r['stderr']:.0%} | {r['median_s']:.1f} s | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['tpf'], 2)} | "
+                         f"{_fmt(r['malformed'])} |")
         lines += ["", "Targets: tools and memory with `ar` >= 80%; block diffusion at block 32 / threshold 0.95 at least "
                       "0.95x that success with TPF >= 2.5 and a lower median task time than `ar`; the `heldout` suite "
                       "(tool names, parameters and descriptions never used in training) >= 60%."]
-    if tasks:
+    if tasks and tasks.get("runs"):
         algo = tasks["runs"][0].get("algorithm", "low_confidence")
         lines += ["", "Held-out synthetic agent tasks (`clover eval tasks`): test seeds, run by the agent harness "
                       "against the model served in process (chat template, engine, server, parser, real tools), "

@@ -179,13 +179,15 @@ class Engine:
                 break
             chunk.append((s, take))
             budget -= take
-        need = max((s.pos + n for s, n in chunk), default=0)
+        # the chunk forward pads its rows: it needs room for the furthest row plus the longest chunk
+        need = max(s.pos for s, _ in chunk) + max(n for _, n in chunk) if chunk else 0
         if need > self.cache.capacity:
             # All rows share one K/V capacity, and growing it copies every row's keys and values. Grow
-            # once, for the whole prompts plus a block, in a step that prefills nothing: the other
-            # sequences' steps are then delayed by that copy or by one chunk, never by both.
-            whole = max(len(s.prompt) for s, _ in chunk) + size
-            self.cache.reserve(whole, max(whole, self.config.max_position_embeddings))
+            # once, for every prompt being prefilled plus a block, in a step that runs no chunk: that
+            # step's other work (decoding, newly admitted short prompts) is then delayed by the copy,
+            # and no chunk step by a copy as well.
+            whole = max(need, max(len(s.prompt) for s in self.prefilling) + size)
+            self.cache.reserve(whole, self.config.max_position_embeddings)
             chunk = []
         if chunk:
             seqs = [s for s, _ in chunk]
