@@ -12,7 +12,6 @@ and the card names the command that produced each; a missing file leaves its sec
 from __future__ import annotations
 
 import json
-import math
 import platform
 import statistics
 import sys
@@ -45,27 +44,11 @@ def _stage(run: Path) -> dict:
 
 
 def _agent_rows(report: Path) -> dict[tuple[str, str], dict]:
-    """Per (condition, suite): task runs, success with its standard error, median task time, and from the
-    summary tokens/s and TPF; plus malformed calls per attempted call."""
+    """Per (condition, suite), from the report's summary: its params and the suite's figures (task runs,
+    success with its standard error, median task time, tokens/s, TPF, malformed per attempted call)."""
     summary = json.loads((report / "summary.json").read_text())
-    results = [json.loads(line) for line in (report / "results.jsonl").read_text().splitlines() if line.strip()]
-    rows = {}
-    for cname, s in summary.items():
-        for suite, b in s["by_suite"].items():
-            mine = [r for r in results if r["condition"] == cname and r["suite"] == suite
-                    and r["reason"] != "infrastructure_error"]
-            n = len(mine)
-            if not n:
-                continue
-            p = sum(r["success"] for r in mine) / n
-            calls = sum(r["tool_calls"] for r in mine)
-            bad = sum(r["malformed"] for r in mine)           # invalid arguments + leaked markup
-            attempted = calls + bad - sum(r["tool_calls"] - r["valid_tool_args"] for r in mine)
-            rows[(cname, suite)] = {
-                "params": s["params"], "runs": n, "success": p, "stderr": math.sqrt(p * (1 - p) / n),
-                "median_s": statistics.median(r["total_s"] for r in mine), "tokens_per_s": b["tokens_per_s"],
-                "tpf": b["tpf"], "malformed": bad / attempted if attempted else None}
-    return rows
+    return {(cname, suite): {"params": s["params"], **b} for cname, s in summary.items()
+            for suite, b in s["by_suite"].items()}
 
 
 def _condition(params: dict) -> str:
@@ -210,9 +193,9 @@ def main() -> None:
                   "|---|---|---|---|---|---|---|---|"]
         order = list(dict.fromkeys(c for c, _ in agent))
         for (_cname, suite), r in sorted(agent.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
-            lines.append(f"| {suite} | {_condition(r['params'])} | {r['runs']} | {r['success']:.0%} ± "
-                         f"{r['stderr']:.0%} | {r['median_s']:.1f} s | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['tpf'], 2)} | "
-                         f"{_fmt(r['malformed'])} |")
+            lines.append(f"| {suite} | {_condition(r['params'])} | {r['task_runs']} | {r['success_mean']:.0%} ± "
+                         f"{r['success_stderr']:.0%} | {r['total_s']:.1f} s | {_fmt(r['tokens_per_s'], 1)} | "
+                         f"{_fmt(r['tpf'], 2)} | {_fmt(r['malformed_rate'])} |")
         lines += ["", "Targets: tools and memory with `ar` >= 80%; block diffusion at block 32 / threshold 0.95 at least "
                       "0.95x that success with TPF >= 2.5 and a lower median task time than `ar`; the `heldout` suite "
                       "(tool names, parameters and descriptions never used in training) >= 60%."]

@@ -282,9 +282,24 @@ def _speed(rows: list[dict]) -> dict:
             "tpf": tokens / nfe if nfe else None}
 
 
+def _quality(rows: list[dict]) -> dict:
+    """Success (mean and standard error) and formatting stability of task runs: an attempted call is a
+    parsed call or tool-call markup left in the text; it is malformed when the markup leaked or its
+    arguments are invalid."""
+    n = len(rows)
+    p = sum(r["success"] for r in rows) / n if n else None
+    calls = sum(r["tool_calls"] for r in rows)
+    malformed = sum(r["malformed"] for r in rows)
+    invalid = sum(r["tool_calls"] - r["valid_tool_args"] for r in rows)
+    attempted = calls + malformed - invalid
+    return {"success_mean": p, "success_stderr": math.sqrt(p * (1 - p) / n) if n and p is not None else None,
+            "tool_calls": calls, "invalid_calls": invalid, "leaked_markup": malformed - invalid,
+            "malformed": malformed, "malformed_rate": malformed / attempted if attempted else None}
+
+
 def _suite_summary(rows: list[dict]) -> dict:
-    return {"success_mean": sum(r["success"] for r in rows) / len(rows), "task_runs": len(rows),
-            "total_s": _dist([r["total_s"] for r in rows])["median"], **_speed(rows)}
+    return {**_quality(rows), "task_runs": len(rows), "total_s": _dist([r["total_s"] for r in rows])["median"],
+            **_speed(rows)}
 
 
 def summarise(results: list[dict], runs: int) -> dict:
@@ -292,27 +307,18 @@ def summarise(results: list[dict], runs: int) -> dict:
     for cname in dict.fromkeys(r["condition"] for r in results):
         rows = [r for r in results if r["condition"] == cname]
         quality = [r for r in rows if r["reason"] != "infrastructure_error"]
-        n = len(quality)
-        p = sum(r["success"] for r in quality) / n if n else None
         by_task: dict[str, list[bool]] = {}
         for r in quality:
             by_task.setdefault(r["task"], []).append(r["success"])
         calls = sum(r["tool_calls"] for r in quality)
-        malformed = sum(r["malformed"] for r in quality)
-        invalid = sum(r["tool_calls"] - r["valid_tool_args"] for r in quality)
         cold = [r for r in rows if r.get("cold")]
         out[cname] = {
             "endpoint": rows[0]["endpoint"], "params": rows[0]["params"],
-            "task_runs": len(rows), "quality_runs": n, "success_mean": p,
-            "success_stderr": math.sqrt(p * (1 - p) / n) if n and p is not None else None,
+            "task_runs": len(rows), "quality_runs": len(quality), **_quality(quality),
             f"pass@{runs}": (sum(any(v) for v in by_task.values()) / len(by_task)) if by_task else None,
             f"pass^{runs}": (sum(all(v) for v in by_task.values()) / len(by_task)) if by_task else None,
             "reasons": {k: sum(r["reason"] == k for r in rows) for k in REASONS},
             "valid_tool_arg_rate": (sum(r["valid_tool_args"] for r in quality) / calls) if calls else None,
-            # formatting stability: an attempted call is a parsed call or tool-call markup left in the text
-            "tool_calls": calls, "invalid_calls": invalid, "leaked_markup": malformed - invalid,
-            "malformed": malformed, "malformed_rate": malformed / (calls + malformed - invalid)
-            if calls + malformed - invalid else None,
             **{k: _dist([r[k] for r in quality]) for k in ("model_s", "tool_s", "harness_s", "total_s")},
             "ttft_s": _dist([t for r in quality for t in r["ttft_s"]]),
             "ttft_by_turn": _ttft_by_turn(quality),
