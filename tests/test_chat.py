@@ -140,6 +140,16 @@ def test_tokenizer_files_round_trip_and_specials(tmp_path, tokenizer):
         Tokenizer.load(tmp_path / "nope")
 
 
+def test_trained_tokenizers_spell_every_digit_alone():
+    """A number is the same digit tokens wherever it stands (after a space, a bracket, a letter), even
+    when the training text repeats it often enough for BPE to merge it otherwise."""
+    tok = Tokenizer.train(["x = 897 + 81 (897) a897\n"] * 200, vocab_size=300, min_frequency=1)
+    for text in ("897", " 897", "(897)", "a897", "\n897"):
+        pieces = [tok.decode([i]) for i in tok.encode(text)]
+        assert "".join(pieces) == text
+        assert [p for p in pieces if any(c.isdigit() for c in p)] == ["8", "9", "7"], pieces
+
+
 def test_message_text_cannot_forge_a_turn_or_insert_a_mask():
     from pathlib import Path
 

@@ -168,9 +168,15 @@ class Tokenizer:
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> Tokenizer:
-        """Byte-level BPE trained on `texts`; the special tokens take the first ids."""
+        """Byte-level BPE trained on `texts`; the special tokens take the first ids. Every digit is a
+        token of its own (as in Qwen's and Llama's tokenizers): a number is then spelt the same way
+        wherever it stands, so the model copies and computes it digit by digit. With GPT-2's number
+        chunks, `897` became `89`+`7` and ` 947` became ` 9`+`47`, and clover-tiny (2026-11-30) predicted
+        only 7% of the number tokens of its validation agent replies that copy a number from the
+        context, against 95% of the other tokens copied from it."""
         tk = HFTokenizer(models.BPE())
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                    pre_tokenizers.ByteLevel(add_prefix_space=False)])
         tk.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
