@@ -11,7 +11,7 @@ test tasks, through the chat template); the last two need the checkpoint's token
 length (end-of-sequence ignored), greedy, same process. Prints its conditions, a table, and one JSON
 line last.
 
-    python benchmarks/decode.py [--model DIR] [--prompts random,code,agent] [--quick]
+    python benchmarks/decode.py [--model DIR] [--prompts random,code,agent] [--compile] [--quick]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> di
     tokens = sum(len(r.token_ids) for r in results)
     nfe = sum(r.stats.nfe for r in results)
     out = {"tokens_per_s": tokens / wall, "tpf": tokens / nfe, "overhead": 1 - engine.forward_seconds / wall,
-           "wall_s": wall, "tokens": tokens}
+           "wall_s": wall, "tokens": tokens, "outputs": [r.token_ids for r in results]}
     checks = sum(r.stats.check_forwards for r in results)
     if checks:
         out["kept_per_check"] = sum(r.stats.drafts_accepted for r in results) / checks
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, help="the tiny preset at random with this context (long prompts)")
     parser.add_argument("--max-prefill-tokens", type=int, help="chunked prefill of at most this many tokens a step")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
+    parser.add_argument("--compile", action="store_true", help="also time ar with its one-token step compiled")
     parser.add_argument("--quick", action="store_true", help="prompt 64, batch 1, block 32, the default threshold only")
     args = parser.parse_args()
     if args.quick:
@@ -137,7 +138,15 @@ def main() -> None:
             base = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(prompts[:1], base.with_(max_new_tokens=4))  # warm-up
             ar = _run(engine, prompts, base.with_(algorithm="ar"))
+            ar_tokens = ar.pop("outputs")   # lossless decoders must give these (same_as_ar)
             rows.append({"prompt": label, "batch": batch, "algorithm": "ar", **ar})
+            if args.compile:   # the same ar decoding with the one-token step compiled (model.compile_decode)
+                model.compile_decode(warmup=True)
+                r = _run(engine, prompts, base.with_(algorithm="ar"))
+                model.compile_decode(False)
+                r["same_as_ar"] = r.pop("outputs") == ar_tokens
+                rows.append({"prompt": label, "batch": batch, "algorithm": "ar-compiled", **r,
+                             "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
             if ref is not None and len({len(p) for p in prompts}) == 1:
                 ids = torch.tensor(prompts)
                 t0 = time.perf_counter()
@@ -148,20 +157,23 @@ def main() -> None:
                              "tokens_per_s": batch * args.new_tokens / wall, "wall_s": wall})
             for name, eng in verifiers.items():
                 r = _run(eng, prompts, base.with_(algorithm="verify"))
+                r["same_as_ar"] = r.pop("outputs") == ar_tokens
                 rows.append({"prompt": label, "batch": batch, "algorithm": name, **r,
                              "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
             for bs in map(int, args.block_sizes.split(",")):
                 for th in map(float, args.thresholds.split(",")):
                     r = _run(engine, prompts, base.with_(block_size=bs, threshold=th))
+                    del r["outputs"]
                     rows.append({"prompt": label, "batch": batch, "algorithm": "low_confidence", "block_size": bs,
                                  "threshold": th, **r, "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
     print(f"\n{'prompt':>11} {'batch':>5} {'algorithm':>22} {'block':>5} {'thr':>5} {'tok/s':>8} {'TPF':>6} "
-          f"{'kept':>5} {'overhead':>8} {'vs AR':>6}")
+          f"{'kept':>5} {'overhead':>8} {'vs AR':>6} {'= AR':>5}")
     for r in rows:
         print(f"{r['prompt']:>11} {r['batch']:>5} {r['algorithm']:>22} {r.get('block_size', ''):>5} "
               f"{r.get('threshold', ''):>5} {r['tokens_per_s']:8.1f} {r.get('tpf', float('nan')):6.2f} "
               f"{r.get('kept_per_check', float('nan')):5.2f} "
-              f"{100 * r.get('overhead', float('nan')):7.1f}% {r.get('speedup_over_ar', float('nan')):6.2f}")
+              f"{100 * r.get('overhead', float('nan')):7.1f}% {r.get('speedup_over_ar', float('nan')):6.2f} "
+              f"{'' if 'same_as_ar' not in r else 'yes' if r['same_as_ar'] else 'NO':>5}")
     b1 = [r["overhead"] for r in rows if r["batch"] == 1 and "overhead" in r]
     summary = {"max_overhead_batch1": max(b1) if b1 else None,
                "best_speedup_over_ar": max((r.get("speedup_over_ar", 0) for r in rows), default=None)}

@@ -6,7 +6,7 @@ transformers' Qwen3_5MoeForCausalLM runs prefill, commit (a block with past_key_
 step on the same weights; it has no preview mode. Medians over repeats, same process and threads.
 Prints its conditions, a table, and one JSON line last.
 
-    python benchmarks/forward.py [--presets tiny,small] [--prompt 512] [--repeats 5]
+    python benchmarks/forward.py [--presets tiny,small] [--prompt 512] [--repeats 5] [--compile]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _median_time(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int) -> dict:
+def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compiled: bool = False) -> dict:
     config = CloverConfig.preset(preset)
     torch.manual_seed(0)
     model = CloverForCausalLM(config).eval()
@@ -74,6 +74,11 @@ def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int) -> dic
     result = {"preset": preset, "parameters_total": config.num_parameters()[0],
               "clover_prefill_ms_per_token": 1e3 * prefill / prompt_len, "clover_preview_ms": 1e3 * preview,
               "clover_commit_ms": 1e3 * commit, "clover_ar_step_ms": 1e3 * ar_step}
+    if compiled:   # the same steps through model.compile_decode (compiled before timing)
+        model.compile_decode(warmup=True)
+        ar_steps()
+        result["clover_ar_step_compiled_ms"] = 1e3 * statistics.median(t for _ in range(repeats) for t in ar_steps())
+        model.compile_decode(False)
 
     ref = transformers_twin(model)
     if ref is not None:
@@ -108,6 +113,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prefill length in tokens")
     parser.add_argument("--blocks", type=int, default=4, help="block commits timed per repeat")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="also time the AR step compiled (compile_decode)")
     args = parser.parse_args()
     try:
         import transformers
@@ -120,11 +126,13 @@ def main() -> None:
         "device": "cpu", "dtype": "float32", "batch": 1, "prompt_tokens": args.prompt, "repeats": args.repeats,
     }
     print("conditions:", json.dumps(conditions))
-    results = [bench_preset(p, args.prompt, args.blocks, args.repeats) for p in args.presets.split(",")]
+    results = [bench_preset(p, args.prompt, args.blocks, args.repeats, args.compile) for p in args.presets.split(",")]
     for r in results:
         print(f"\n{r['preset']} ({r['parameters_total'] / 1e6:.1f}M parameters)")
-        for key in ("prefill_ms_per_token", "preview_ms", "commit_ms", "ar_step_ms"):
+        for key in ("prefill_ms_per_token", "preview_ms", "commit_ms", "ar_step_ms", "ar_step_compiled_ms"):
             ours, theirs = r.get(f"clover_{key}"), r.get(f"transformers_{key}")
+            if ours is None:
+                continue
             line = f"  {key:22s} clover {ours:9.3f}"
             if theirs is not None:
                 line += f"   transformers {theirs:9.3f}   speedup {theirs / ours:5.2f}x"

@@ -249,3 +249,50 @@ def test_kv_capacity_grows_geometrically_up_to_the_context():
         cache.reserve(n, 4096)
         sizes.append(cache.capacity)
     assert sorted(set(sizes)) == [256, 512, 1024, 2048, 4096]
+
+
+def test_compiled_one_token_step_equals_the_eager_step(debug_config):
+    """`compile_decode`: one-token cache-writing steps (all rows, then a slice of one row, across a growth
+    of the K/V buffer) give the eager logits and leave the same cache."""
+    import copy
+
+    model = perturbed_model(debug_config)
+    ids = torch.randint(0, 500, (3, 255))
+    with torch.inference_mode():
+        eager = model.new_cache(3)
+        model.causal(ids, eager, lengths=torch.tensor([250, 100, 255]), logits="none")
+        fast = copy.deepcopy(eager)
+        model.compile_decode()
+        steps = [(None, torch.randint(0, 500, (3, 1))) for _ in range(4)]
+        steps += [(slice(1, 2), torch.randint(0, 500, (1, 1))) for _ in range(3)]
+        for rows, tok in steps:
+            got = model.causal(tok, fast, rows=rows, logits="last")
+            model.compile_decode(False)
+            want = model.causal(tok, eager, rows=rows, logits="last")
+            model.compile_decode()
+            assert_close(got, want, atol=ATOL, what=f"logits, rows {rows}")
+        assert model._compiled_step is not None   # it ran compiled, not after a silent fallback
+    assert torch.equal(fast.lengths, eager.lengths) and fast.capacity > 256
+    for r, n in enumerate(eager.lengths.tolist()):
+        for a, b in zip(fast.keys + fast.values, eager.keys + eager.values, strict=True):
+            if a is not None:
+                assert_close(a[r, :, :n], b[r, :, :n], atol=ATOL, what="committed K/V")
+    for a, b in zip(fast.states + fast.rings, eager.states + eager.rings, strict=True):
+        if a is not None:
+            assert_close(a, b, atol=ATOL, what="GDN state and ring")
+
+
+def test_a_compiled_step_that_cannot_be_built_falls_back_to_eager(debug_model, caplog):
+    ids = torch.randint(0, 500, (1, 9))
+    with torch.inference_mode():
+        cache = debug_model.new_cache(1)
+        debug_model.causal(ids[:, :8], cache, logits="none")
+        want = debug_model.causal(ids[:, 8:], cache.select([0]), logits="last")
+
+        def broken(*args):
+            raise RuntimeError("no C++ compiler")
+
+        debug_model._compiled_step = broken
+        got = debug_model.causal(ids[:, 8:], cache, logits="last")
+    assert debug_model._compiled_step is None and "decoding eagerly" in caplog.text
+    assert_close(got, want, atol=ATOL, what="eager fallback") and int(cache.lengths[0]) == 9

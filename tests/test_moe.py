@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from clover.model.moe import SparseMoE, experts_grouped, experts_reference, load_balancing_loss, route
+from clover.model.moe import SparseMoE, experts_dense, experts_grouped, experts_reference, load_balancing_loss, route
 from clover.model.testing import assert_close
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (37, 8, 2), (64, 16, 4), (5, 32, 8)])
-def test_grouped_dispatch_equals_reference_outputs_and_grads(tokens, experts, top_k):
+def test_grouped_and_dense_dispatch_equal_reference_outputs_and_grads(tokens, experts, top_k):
     d, width = 12, 10
     x = torch.randn(tokens, d, requires_grad=True)
     gate_up = (torch.randn(experts, 2 * width, d) * 0.3).requires_grad_()
@@ -18,6 +18,7 @@ def test_grouped_dispatch_equals_reference_outputs_and_grads(tokens, experts, to
     out_ref = experts_reference(x, gate_up, down, weights, chosen)
     out = experts_grouped(x, gate_up, down, weights, chosen)
     assert_close(out, out_ref, atol=1e-6, what="output")
+    assert_close(experts_dense(x, gate_up, down, weights, chosen), out_ref, atol=1e-6, what="dense output")
     probe = torch.randn_like(out)
     inputs = (x, gate_up, down, weights)
     grads = torch.autograd.grad((out * probe).sum(), inputs)

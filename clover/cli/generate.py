@@ -14,7 +14,7 @@ from clover.engine.engine import Engine, GenerationResult
 from clover.engine.sampling import ALGORITHMS, SamplingParams
 from clover.engine.trace import render_steps_ansi, write_trace_html
 from clover.model.chat import StreamingParser, parse_output, validate_tools
-from clover.model.checkpoint import load_for_generation
+from clover.model.checkpoint import Loaded, load_for_generation
 from clover.model.config import GenerationConfig
 from clover.model.tokenizer import Tokenizer
 
@@ -27,6 +27,17 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype (default float32; auto: as stored)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the one-token (ar) step with torch.compile: about 2x the ar tokens/s on CPU, after "
+                        "about a minute of compiling (cached on disk for the next run)")
+
+
+def _load(args: argparse.Namespace) -> Loaded:
+    loaded = load_for_generation(args.model, args.dtype, args.device)
+    if args.compile:
+        print(f"{DIM}compiling the decode step...{RESET}", file=sys.stderr)
+        loaded.model.compile_decode(warmup=True)
+    return loaded
 
 
 def _add_decoding_options(p: argparse.ArgumentParser) -> None:
@@ -99,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = _read_prompt(args)
     if not text.strip():
         raise ValueError("the prompt is empty")
-    loaded = load_for_generation(args.model, args.dtype, args.device)
+    loaded = _load(args)
     params = sampling_params(args, loaded.generation)
     tok = loaded.tokenizer
     prompt = text
@@ -202,7 +213,7 @@ def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: Sampling
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    loaded = load_for_generation(args.model, args.dtype, args.device)
+    loaded = _load(args)
     tok, engine = loaded.tokenizer, Engine(loaded.model, loaded.tokenizer)
     params = sampling_params(args, loaded.generation)
     thinking, show_steps = not args.no_think, args.show_steps
@@ -287,7 +298,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {args.prefix_cache_bytes}")
     api_key = args.api_key or os.environ.get("CLOVER_API_KEY") or None
     serve(args.model, args.host, args.port, api_key, args.max_batch_size, args.max_queue, args.dtype,
-          args.device, args.served_model_name, args.prefix_cache_bytes, args.max_prefill_tokens or None)
+          args.device, args.served_model_name, args.prefix_cache_bytes, args.max_prefill_tokens or None,
+          compile=args.compile)
     return 0
 
 

@@ -43,6 +43,21 @@ def experts_grouped(
     return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
+def experts_dense(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """Every expert on every token in two batched matmuls, mixed by the routing weights (zero for the
+    experts a token does not use). Same arguments and result as `experts_grouped`, with no
+    data-dependent shape: what a compiled decode step runs when experts are few (it wastes the
+    arithmetic of the unused ones)."""
+    h = torch.matmul(x, gate_up.transpose(1, 2))                                # [E,T,2I]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))                  # [E,T,D]
+    mix = torch.zeros(x.shape[0], gate_up.shape[0], dtype=y.dtype, device=x.device)
+    mix.scatter_(1, experts, weights.to(y.dtype))                               # [T,E]
+    return torch.einsum("etd,te->td", y, mix).to(x.dtype)
+
+
 def experts_reference(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
 ) -> torch.Tensor:
@@ -121,7 +136,12 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])                                         # [T,D]
         router_logits = F.linear(flat, self.gate.weight)                        # [T,E]
         weights, experts = route(router_logits, self.top_k, flat.dtype)
-        dispatch = experts_reference if self.use_reference else experts_grouped
+        if self.use_reference:
+            dispatch = experts_reference
+        elif torch.compiler.is_compiling() and self.experts.gate_up_proj.shape[0] <= 4 * self.top_k:
+            dispatch = experts_dense   # no graph break on the grouped dispatch's host-side counts
+        else:
+            dispatch = experts_grouped
         routed = dispatch(flat, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).reshape(shape), router_logits

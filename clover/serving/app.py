@@ -632,13 +632,16 @@ SHUTDOWN_GRACE_S = 30
 
 def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,
           dtype: str, device: str, model_name: str | None, prefix_cache_bytes: int = 0,
-          max_prefill_tokens: int | None = None) -> None:
+          max_prefill_tokens: int | None = None, compile: bool = False) -> None:
 
     import uvicorn
 
     from clover.model.checkpoint import load_for_generation
 
     loaded = load_for_generation(model_dir, dtype, device)
+    if compile:
+        print("clover serve: compiling the decode step (about a minute; cached on disk for the next start)", flush=True)
+        loaded.model.compile_decode(warmup=True)
     name = model_name or (str(model_dir).rstrip("/").split("/")[-1] if model_dir else "clover-tiny")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
