@@ -57,3 +57,32 @@ def test_continuation_match_rows_and_verify_equals_ar(tok, tmp_path):
     assert rows["ar"]["same_as_ar"] == 1.0 and rows["ar"]["tpf"] == 1.0
     assert rows["verify"]["same_as_ar"] == 1.0 and rows["verify"]["match"] == rows["ar"]["match"]
     assert all(0.0 <= r["match"] <= 1.0 and r["tpf"] > 0 for r in rows.values())
+
+
+def test_copy_kinds_tell_copied_numbers_from_computed_ones():
+    from clover.training.scores import _token_kinds
+
+    pieces = ["x", " =", " 8", "97", "\n", "Ans", ":", " 8", "97", " 1", "897", ":"]
+    kinds = _token_kinds(pieces, [False] * 5 + [True] * 7)
+    assert kinds == [None] * 5 + ["other_new", "other_new", "number_copied", "number_copied", "number_computed",
+                                  "number_computed", "other_copied"]   # 1897 is not 897 copied
+
+
+def test_copy_accuracy_scores_each_assistant_token_against_the_prediction_before_it(tok):
+    class Oracle:   # predicts every next token; a model that is off by one position would score ~0
+        device = torch.device("cpu")
+
+        def __call__(self, ids):
+            logits = torch.zeros(1, ids.shape[1], tok.vocab_size)
+            logits[0, torch.arange(ids.shape[1] - 1), ids[0, 1:]] = 1.0
+            return logits
+
+    class Lagging(Oracle):
+        def __call__(self, ids):
+            return super().__call__(torch.cat([ids[:, :1], ids[:, :-1]], dim=1))
+
+    good = scores.copy_accuracy(Oracle(), tok, count=6)["results"]
+    bad = scores.copy_accuracy(Lagging(), tok, count=6)["results"]
+    assert good["number_copied"]["tokens"] > 0 and good["other_copied"]["tokens"] > 0
+    assert all(r["accuracy"] == 1.0 for r in good.values() if r["tokens"])
+    assert bad["number_copied"]["accuracy"] < 0.5 and bad["other_copied"]["accuracy"] < 0.5

@@ -1,4 +1,4 @@
-"""`clover eval` (bpb, match, tasks, agent) and `clover bench serve`."""
+"""`clover eval` (bpb, match, copy, tasks, agent) and `clover bench serve`."""
 
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = {"evaluation": "bits_per_byte", "results": [
             scores.bits_per_byte(model, tok, args.data, kind, args.split, args.window, args.max_bytes)
             for kind in args.kinds.split(",")]}
+    elif args.eval_command == "copy":
+        result = {"evaluation": "copy_accuracy", **scores.copy_accuracy(model, tok, args.count, args.split)}
     elif args.eval_command == "match":
         result = {"evaluation": "continuation_match", **scores.continuation_match(
             model, tok, args.data, args.prompts, args.new_tokens, tuple(map(float, args.thresholds.split(","))),
@@ -116,7 +118,7 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
 
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="held-out evaluations of a model (bits per byte, continuation match, agent tasks)")
+    p = sub.add_parser("eval", help="held-out evaluations of a model (bits per byte, continuation match, copying, agent tasks)")
     esub = p.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
     a = esub.add_parser(
         "agent", help="agent workloads (tools, memory, coding, humaneval) against OpenAI-compatible endpoints",
@@ -147,12 +149,14 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     a.set_defaults(func=cmd_eval_agent)
     for name, helptext in (("bpb", "bits per byte on held-out code and English, next to gzip -9 and xz -9"),
                            ("match", "held-out code continuations: ar vs block diffusion, per-token match and TPF"),
+                           ("copy", "held-out agent conversations, teacher-forced: next-token accuracy on the "
+                                    "assistant's tokens, numbers copied from the conversation apart"),
                            ("tasks", "held-out synthetic agent tasks: the harness (suite synthetic) against the model served "
                                      "in process")):
         e = esub.add_parser(name, help=helptext, description=helptext + ".")
         e.add_argument("--model", help="checkpoint (default: the shipped model)")
         e.add_argument("--out", help="write the full result as JSON here")
-        if name != "tasks":
+        if name not in ("tasks", "copy"):
             e.add_argument("--data", required=True, help="directory from `clover data build`")
         if name == "bpb":
             e.add_argument("--kinds", default="code,english")
@@ -165,6 +169,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
             e.add_argument("--thresholds", default="0.7,0.9,0.95")
             e.add_argument("--block-size", type=int)
             e.add_argument("--batch", type=int, default=16)
+        elif name == "copy":
+            e.add_argument("--count", type=int, default=64, help="conversations")
+            e.add_argument("--split", default="test", choices=["val", "test"])
         else:
             e.add_argument("--count", type=int, default=100)
             e.add_argument("--step-limit", type=int, default=12)

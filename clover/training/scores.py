@@ -5,6 +5,10 @@
 - `continuation_match`: held-out code prompts, greedy continuations by `ar` and by block diffusion
   at several thresholds on the same weights: per-token agreement with the true continuation, TPF.
 
+- `copy_accuracy`: held-out agent conversations (test seeds), teacher-forced: how often the causal
+  head's next token is right on the assistant's tokens, by kind: digits of a number that stands earlier
+  in the conversation (copied), of a number that does not (computed), other tokens seen earlier, others.
+
 The agent tasks of the card (`clover eval tasks`) run through the evaluation harness against the model
 served in process, the project's one agent loop (`clover.cli.evaluate`).
 """
@@ -15,6 +19,7 @@ import gzip
 import lzma
 import math
 import random
+import re
 import time
 from pathlib import Path
 
@@ -111,3 +116,64 @@ def continuation_match(model: CloverForCausalLM, tok: Tokenizer, data: str | Pat
         r["match_vs_ar"] = r["match"] / ar if ar else None
     return {"prompts": count, "new_tokens": new_tokens, "batch": batch,
             "block_size": GenerationConfig.resolve_block_size(block_size, model.config), "results": rows}
+
+
+COPY_KINDS = ("number_copied", "number_computed", "other_copied", "other_new")
+
+
+def _token_kinds(pieces: list[str], scored: list[bool]) -> list[str | None]:
+    """COPY_KINDS label of each scored token (None elsewhere) of a conversation decoded token by token.
+    A token with a digit belongs to the maximal run of digits around it; the number is copied when the
+    same run (not part of a longer one) stands in the text before it."""
+    starts, pos = [], 0
+    for piece in pieces:
+        starts.append(pos)
+        pos += len(piece)
+    text = "".join(pieces)
+    kinds: list[str | None] = []
+    seen: set[str] = set()
+    for i, piece in enumerate(pieces):
+        if scored[i]:
+            digit = next((k for k, c in enumerate(piece) if c.isdigit()), None)
+            if digit is not None:
+                a = b = starts[i] + digit
+                while a > 0 and text[a - 1].isdigit():
+                    a -= 1
+                while b < len(text) and text[b].isdigit():
+                    b += 1
+                number = text[a:b]
+                before = text[:a]
+                copied = any(not before[m.start() - 1: m.start()].isdigit() and not before[m.end(): m.end() + 1].isdigit()
+                             for m in re.finditer(re.escape(number), before))
+                kinds.append("number_copied" if copied else "number_computed")
+            else:
+                kinds.append("other_copied" if piece in seen else "other_new")
+        else:
+            kinds.append(None)
+        seen.add(piece)
+    return kinds
+
+
+@torch.inference_mode()
+def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, split: str = "test",
+                  max_tokens: int = 2048) -> dict:
+    """Teacher-forced next-token accuracy of the causal head on the assistant tokens of `count` agent
+    conversations of `split` (`clover.training.agent_data`, the training pool of tool names), by
+    COPY_KINDS; each conversation cut at max_tokens."""
+    from clover.training.agent_data import training_tasks
+    from clover.training.data import chat_example
+
+    right = dict.fromkeys(COPY_KINDS, 0)
+    total = dict.fromkeys(COPY_KINDS, 0)
+    for task in training_tasks(split, count):
+        ids, mask = chat_example(tok, task.messages, task.tools, task.thinking)
+        ids, mask = ids[:max_tokens], mask[:max_tokens]
+        pred = model(torch.tensor([ids], device=model.device))[0].argmax(-1).tolist()
+        kinds = _token_kinds([tok.decode([t]) for t in ids], [bool(m) and i > 0 for i, m in enumerate(mask)])
+        for i, kind in enumerate(kinds):
+            if kind is not None:
+                total[kind] += 1
+                right[kind] += int(pred[i - 1] == ids[i])
+    return {"conversations": count, "split": split,
+            "results": {k: {"accuracy": right[k] / total[k] if total[k] else None, "tokens": total[k]}
+                        for k in COPY_KINDS}}
