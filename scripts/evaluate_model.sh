@@ -3,6 +3,8 @@
 #   eval_bpb_ar.json     bits per byte of the AR parent (RUNS/ar/model) on the test split
 #   eval_bpb_final.json  the same for MODEL's AR head
 #   eval_match.json      held-out code continuations: ar, block diffusion at 0.7 / 0.9 / 0.95, verify
+#   eval_copy_ar.json    copying on agent conversations of test seeds (clover eval copy), the AR parent
+#   eval_copy_final.json the same for MODEL
 #   eval_tasks.json      `clover eval tasks` (harness suite synthetic, in process), 20 tasks, thinking off, ar
 #   bench_train.json     benchmarks/train.py (training throughput of the tiny shape)
 # The agent suites run through `clover serve`: scripts/agent_reports.sh agent.
@@ -18,6 +20,9 @@ step() { echo "== $* ($(date +%H:%M:%S))" >&2; }
 step "bits per byte: AR parent and $MODEL"
 [ -f "$RUNS/eval_bpb_ar.json" ] || "$BIN/clover" eval bpb --model "$RUNS/ar/model" --data "$DATA" --out "$RUNS/eval_bpb_ar.json"
 "$BIN/clover" eval bpb --model "$MODEL" --data "$DATA" --out "$RUNS/eval_bpb_final.json"
+step "copying: AR parent and $MODEL"
+[ -f "$RUNS/eval_copy_ar.json" ] || "$BIN/clover" eval copy --model "$RUNS/ar/model" --out "$RUNS/eval_copy_ar.json"
+"$BIN/clover" eval copy --model "$MODEL" --out "$RUNS/eval_copy_final.json"
 step "code continuations"
 "$BIN/clover" eval match --model "$MODEL" --data "$DATA" --out "$RUNS/eval_match.json"
 step "synthetic agent tasks"

@@ -78,6 +78,7 @@ def main() -> None:
              if line.strip()] if (runs / "times.jsonl").is_file() else []
     bpb_ar, bpb_final = load("eval_bpb_ar.json"), load("eval_bpb_final.json")
     match, tasks, bench = load("eval_match.json"), load("eval_tasks.json"), load("bench_train.json")
+    copy_ar, copy_final = load("eval_copy_ar.json"), load("eval_copy_final.json")
     sweep = json.loads(sweep_path.read_text()) if sweep_path.is_file() else None
     agent = _agent_rows(report) if (report / "summary.json").is_file() else {}
     config = json.loads((model_dir / "config.json").read_text())
@@ -173,6 +174,15 @@ def main() -> None:
                          f"{_fmt(f.get('model_bits_per_byte'))} | {r['gzip9_bits_per_byte']:.3f} | "
                          f"{r['xz9_bits_per_byte']:.3f} | {vs} |")
         lines += ["", "Target: code at least 15% below xz -9."]
+    if copy_final:
+        lines += ["", f"Copying (`clover eval copy`): {copy_final['conversations']} agent conversations of test seeds, "
+                      "teacher-forced; how often the causal head's next token is right on the assistant's tokens, "
+                      "by kind:", "",
+                  "| tokens | count | AR parent | released model |", "|---|---|---|---|"]
+        for kind, r in copy_final["results"].items():
+            parent = (copy_ar or {}).get("results", {}).get(kind, {})
+            lines.append(f"| {kind.replace('_', ' ')} | {r['tokens']} | {_fmt(parent.get('accuracy'))} | "
+                         f"{_fmt(r['accuracy'])} |")
     if match:
         lines += ["", f"Held-out code continuations (`clover eval match --data data`): {match['prompts']} prompts from "
                       f"the test split, {match['new_tokens']} new tokens, greedy, block size {match['block_size']}, "
