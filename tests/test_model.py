@@ -251,28 +251,53 @@ def test_kv_capacity_grows_geometrically_up_to_the_context():
     assert sorted(set(sizes)) == [256, 512, 1024, 2048, 4096]
 
 
-def test_compiled_one_token_step_equals_the_eager_step(debug_config):
-    """`compile_decode`: one-token cache-writing steps (all rows, then a slice of one row, across a growth
-    of the K/V buffer) give the eager logits and leave the same cache."""
+def _compare_compiled_with_eager(config: CloverConfig, passes: tuple[str, ...]) -> None:
+    """`compile_decode` against the eager model on copies of one cache: one-token cache-writing steps
+    (all rows, then a slice of two, across a growth of the K/V buffer), previews with padded blocks,
+    and fused passes (a check with a preview, a commit with a preview) give the eager logits and leave
+    the same cache. `passes`: which of "step", "preview", "fused" to run (each compiles its graphs)."""
     import copy
 
-    model = perturbed_model(debug_config)
+    model = perturbed_model(config)
+    eager_model = copy.deepcopy(model)
+    mask_id = config.mask_token_id
     ids = torch.randint(0, 500, (3, 255))
     with torch.inference_mode():
         eager = model.new_cache(3)
         model.causal(ids, eager, lengths=torch.tensor([250, 100, 255]), logits="none")
         fast = copy.deepcopy(eager)
         model.compile_decode()
-        steps = [(None, torch.randint(0, 500, (3, 1))) for _ in range(4)]
-        steps += [(slice(1, 2), torch.randint(0, 500, (1, 1))) for _ in range(3)]
-        for rows, tok in steps:
-            got = model.causal(tok, fast, rows=rows, logits="last")
-            model.compile_decode(False)
-            want = model.causal(tok, eager, rows=rows, logits="last")
-            model.compile_decode()
-            assert_close(got, want, atol=ATOL, what=f"logits, rows {rows}")
-        assert model._compiled_step is not None   # it ran compiled, not after a silent fallback
-    assert torch.equal(fast.lengths, eager.lengths) and fast.capacity > 256
+
+        def both(call):
+            got, want = call(model, fast), call(eager_model, eager)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                            strict=True):
+                assert (g is None) == (w is None)
+                if g is not None:
+                    assert_close(g, w, atol=ATOL, what="logits")
+
+        if "step" in passes:
+            for _ in range(4):
+                tok = torch.randint(0, 500, (3, 1))
+                both(lambda m, c, tok=tok: m.causal(tok, c, logits="last"))
+            for _ in range(3):
+                tok = torch.randint(0, 500, (2, 1))
+                both(lambda m, c, tok=tok: m.causal(tok, c, rows=slice(1, 3), logits="last"))
+        block = torch.randint(0, 500, (3, 8))
+        block[:, ::2] = mask_id
+        lengths = torch.tensor([8, 5, 8])
+        if "preview" in passes:
+            both(lambda m, c: m.preview(block, c, lengths=lengths))
+            both(lambda m, c: m.preview(block[1:], c, lengths=lengths[1:], rows=slice(1, 3)))
+        if "fused" in passes:
+            drafts = torch.randint(0, 500, (3, 6))
+            both(lambda m, c: m.causal_and_preview(drafts, block, c, clean_lengths=torch.tensor([6, 2, 4]),
+                                                   block_lengths=lengths, commit=False, clean_logits="all"))
+            done = torch.randint(0, 500, (3, 8))
+            both(lambda m, c: m.causal_and_preview(done, block, c, clean_lengths=torch.tensor([8, 3, 8]),
+                                                   block_lengths=lengths, commit=True, clean_logits="last"))
+        assert set(model._compiled) == {"step", "preview", "fused"}   # it ran compiled, not after a fallback
+    assert torch.equal(fast.lengths, eager.lengths) and ("step" not in passes or fast.capacity > 256)
     for r, n in enumerate(eager.lengths.tolist()):
         for a, b in zip(fast.keys + fast.values, eager.keys + eager.values, strict=True):
             if a is not None:
@@ -280,6 +305,15 @@ def test_compiled_one_token_step_equals_the_eager_step(debug_config):
     for a, b in zip(fast.states + fast.rings, eager.states + eager.rings, strict=True):
         if a is not None:
             assert_close(a, b, atol=ATOL, what="GDN state and ring")
+
+
+def test_compiled_one_token_step_equals_the_eager_step(debug_config):
+    _compare_compiled_with_eager(debug_config, ("step",))   # one graph: about 30 s on 2 cores
+
+
+@pytest.mark.slow
+def test_compiled_preview_and_fused_passes_equal_the_eager_ones(debug_config):
+    _compare_compiled_with_eager(debug_config, ("step", "preview", "fused"))   # several minutes on 2 cores
 
 
 def test_a_compiled_step_that_cannot_be_built_falls_back_to_eager(debug_model, caplog):
@@ -292,7 +326,7 @@ def test_a_compiled_step_that_cannot_be_built_falls_back_to_eager(debug_model, c
         def broken(*args):
             raise RuntimeError("no C++ compiler")
 
-        debug_model._compiled_step = broken
+        debug_model._compiled = {"step": broken, "preview": broken, "fused": broken}
         got = debug_model.causal(ids[:, 8:], cache, logits="last")
-    assert debug_model._compiled_step is None and "decoding eagerly" in caplog.text
+    assert debug_model._compiled == {} and "decoding eagerly" in caplog.text
     assert_close(got, want, atol=ATOL, what="eager fallback") and int(cache.lengths[0]) == 9

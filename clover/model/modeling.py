@@ -240,6 +240,60 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 Mixer = Callable[[int, DecoderLayer, torch.Tensor, Rope], torch.Tensor]
 
 
+class _CacheRows:
+    """The cache rows a pass reads and writes, through the `PrefixCache` methods (any rows: a tensor of
+    rows is gathered and scattered)."""
+
+    def __init__(self, cache: PrefixCache, rows: torch.Tensor | slice | None) -> None:
+        self.cache, self.rows = cache, rows
+
+    def kv(self, i: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.kv(i, self.rows, p)
+
+    def kv_with(self, i: int, p: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.kv_with(i, self.rows, p, k, v)
+
+    def write_kv(self, i: int, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.cache.write_kv(i, k, v, lengths, self.rows)
+
+    def gdn(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.gdn(i, self.rows)
+
+    def set_gdn(self, i: int, state: torch.Tensor, ring: torch.Tensor) -> None:
+        self.cache.set_gdn(i, self.rows, state, ring)
+
+
+class _RowViews:
+    """The same over per-layer views of consecutive cache rows, written in place and without host
+    synchronisation (what the compiled passes run on). The caller has reserved room in the K/V buffers
+    for every position written: `write_kv` writes every step of its input, those of padded steps into
+    positions past the row's new length, which nothing reads."""
+
+    def __init__(self, keys: list, values: list, states: list, rings: list, past: torch.Tensor) -> None:
+        self.keys, self.values, self.states, self.rings, self.past = keys, values, states, rings, past
+
+    def kv(self, i: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[i][:, :, :p], self.values[i][:, :, :p]
+
+    def kv_with(self, i: int, p: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.shape[2]
+        self.keys[i][:, :, p: p + t] = k.to(self.keys[i].dtype)
+        self.values[i][:, :, p: p + t] = v.to(self.values[i].dtype)
+        return self.keys[i][:, :, : p + t], self.values[i][:, :, : p + t]
+
+    def write_kv(self, i: int, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+        at = (self.past[:, None] + torch.arange(k.shape[2], device=k.device)[None, :])[:, None, :, None]
+        self.keys[i].scatter_(2, at.expand_as(k), k.to(self.keys[i].dtype))
+        self.values[i].scatter_(2, at.expand_as(v), v.to(self.values[i].dtype))
+
+    def gdn(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.states[i], self.rings[i]
+
+    def set_gdn(self, i: int, state: torch.Tensor, ring: torch.Tensor) -> None:
+        self.states[i].copy_(state)
+        self.rings[i].copy_(ring.to(self.rings[i].dtype))
+
+
 class CloverForCausalLM(nn.Module):
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
@@ -250,7 +304,7 @@ class CloverForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
         self.apply(self._init_weights)
-        self._compiled_step: Callable | None = None   # see compile_decode
+        self._compiled: dict[str, Callable] = {}   # compiled passes by name, see compile_decode
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -359,10 +413,12 @@ class CloverForCausalLM(nn.Module):
         else:
             past = torch.zeros(n, dtype=torch.long, device=input_ids.device)
         lengths = self._lengths(input_ids, lengths, past)
-        if (self._compiled_step is not None and t == 1 and write and cache is not None and logits in ("last", "all")
+        if ("step" in self._compiled and t == 1 and write and cache is not None and logits in ("last", "all")
                 and not isinstance(rows, torch.Tensor) and bool((lengths == 1).all())):
-            out = self._step_compiled(input_ids, cache, rows, past)
+            cache.reserve(int(past.max()) + 1, self.config.max_position_embeddings)
+            out = self._call_compiled("step", cache, rows, input_ids, past)
             if out is not None:
+                cache.advance(rows, lengths)
                 return out if logits == "last" else out[:, None]
         p = int(past.max()) if cache is not None else 0
         write = write and cache is not None
@@ -414,42 +470,42 @@ class CloverForCausalLM(nn.Module):
 
     # -- the one-token step, compiled ----------------------------------------------------------------
     def compile_decode(self, enabled: bool = True, warmup: bool = False) -> None:
-        """Run every one-token cache-writing `causal` call (the `ar` step; rows all or a slice) through
-        `torch.compile` (inductor, weights frozen as constants, C++ wrapper): on 2 CPU cores it takes
-        about 2.5x less time than the eager step (benchmarks/decode.py --compile). Each new batch shape
-        compiles once (about half a minute on 2 cores; inductor keeps the result on disk for the next
-        process). The weights must not change afterwards. `enabled` False returns to eager steps.
-        `warmup`: compile now, for one row and for several (a server does this before it listens).
-        Should compiling fail (no C++ compiler, an unsupported torch), the step falls back to eager with
-        a warning."""
-        self._compiled_step = None
+        """Run the decoding passes through `torch.compile` (inductor, weights frozen as constants, C++
+        wrapper) over views of the sequences' cache rows, with no host synchronisation inside: the
+        one-token cache-writing `causal` call (the `ar` step), `preview`, and `causal_and_preview` (block
+        commits fused with a preview, `verify`'s checks; at most a block of clean tokens, so not prefills),
+        each where its rows are all or a slice and no `gdn_trace` is asked for. On 2 CPU cores the `ar` step takes about 1.7x less time
+        (benchmarks/forward.py --compile). Each new shape class compiles once (tens of seconds on 2
+        cores; inductor keeps the result on disk for the next process). The weights must not change
+        afterwards. `enabled` False returns to eager passes. `warmup`: compile the `ar` step now, for one
+        row and for several (a server does this before it listens). Should compiling fail (no C++
+        compiler, an unsupported torch), every pass falls back to eager with a warning."""
+        self._compiled = {}
         if not enabled:
             return
-        self._compiled_step = torch.compile(self._one_token, dynamic=True,
-                                            options={"freezing": True, "cpp_wrapper": True})
+        options = {"freezing": True, "cpp_wrapper": True}
+        self._compiled = {name: torch.compile(fn, dynamic=True, options=options) for name, fn in
+                          (("step", self._one_token), ("preview", self._preview_views), ("fused", self._fused_views))}
         if warmup:
             with torch.inference_mode():
                 for n in (1, 2):
                     ids = torch.zeros(n, 1, dtype=torch.long, device=self.device)
                     self.causal(ids, self.new_cache(n), logits="last")
 
-    def _step_compiled(self, ids: torch.Tensor, cache: PrefixCache, rows: slice | None, past: torch.Tensor
-                       ) -> torch.Tensor | None:
-        """The compiled step over the cache rows (views, written in place); None if compiling failed."""
-        cache.reserve(int(past.max()) + 1, self.config.max_position_embeddings)
+    def _call_compiled(self, name: str, cache: PrefixCache, rows: slice | None, *args: object) -> object:
+        """Compiled pass `name` over views of the cache rows (written in place), or None if compiling
+        failed (then every pass is eager from now on)."""
         r = slice(None) if rows is None else rows
         views = [[None if x is None else x[r] for x in xs] for xs in (cache.keys, cache.values, cache.states,
                                                                        cache.rings)]
         try:
-            out = self._compiled_step(ids, past, *views)
-        except Exception as exc:   # inductor could not build the step here: decode eagerly from now on
+            return self._compiled[name](*args, *views)
+        except Exception as exc:   # inductor could not build the pass here: decode eagerly from now on
             import logging
 
-            logging.getLogger(__name__).warning("compiled decode step unavailable, decoding eagerly: %s", exc)
-            self._compiled_step = None
+            logging.getLogger(__name__).warning("compiled decoding passes unavailable, decoding eagerly: %s", exc)
+            self._compiled = {}
             return None
-        cache.advance(rows, torch.ones_like(past))
-        return out
 
     def _one_token(self, ids: torch.Tensor, past: torch.Tensor, keys: list, values: list, states: list,
                    rings: list) -> torch.Tensor:
@@ -495,6 +551,20 @@ class CloverForCausalLM(nn.Module):
         past = cache.past(rows)
         lengths = self._lengths(block_ids, lengths, past)
         p = int(past.max())
+        if "preview" in self._compiled and not isinstance(rows, torch.Tensor):
+            cache.reserve(p + s, self.config.max_position_embeddings)    # the block's keys go past the prefix
+            out = self._call_compiled("preview", cache, rows, block_ids, past, lengths, p)
+            if out is not None:
+                return out
+        return self._preview_body(block_ids, past, lengths, p, _CacheRows(cache, rows))
+
+    def _preview_views(self, block_ids: torch.Tensor, past: torch.Tensor, lengths: torch.Tensor, p: int,
+                       keys: list, values: list, states: list, rings: list) -> torch.Tensor:
+        return self._preview_body(block_ids, past, lengths, p, _RowViews(keys, values, states, rings, past))
+
+    def _preview_body(self, block_ids: torch.Tensor, past: torch.Tensor, lengths: torch.Tensor, p: int,
+                      rows: _CacheRows | _RowViews) -> torch.Tensor:
+        n, s = block_ids.shape
         steps = torch.arange(s, device=block_ids.device)
         inside = (steps[None, :] < lengths[:, None])[:, None, None, :].expand(n, 1, s, s)
         inside = inside | torch.eye(s, dtype=torch.bool, device=block_ids.device)  # padded rows see themselves
@@ -502,9 +572,9 @@ class CloverForCausalLM(nn.Module):
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             if layer.is_attention:
-                join = (lambda k, v: cache.kv_with(i, rows, p, k, v)) if p > 0 else None
+                join = (lambda k, v: rows.kv_with(i, p, k, v)) if p > 0 else None
                 return layer.self_attn(x, *rope, mask, join=join)[0]
-            return layer.linear_attn.preview(x, *cache.gdn(i, rows), lengths)
+            return layer.linear_attn.preview(x, *rows.gdn(i), lengths)
 
         h, _ = self._run(block_ids, past[:, None] + steps[None, :], mixer)
         return self.lm_head(h)
@@ -531,15 +601,45 @@ class CloverForCausalLM(nn.Module):
             raise ValueError(f"clean_logits must be 'all', 'last' or 'none', got {clean_logits!r}")
         self._check_ids(clean_ids, "clean_ids")
         self._check_ids(block_ids, "block_ids")
-        (n, tc), s = clean_ids.shape, block_ids.shape[1]
+        n, tc = clean_ids.shape
         rows = self._cache_rows(cache, n, rows)
         past = cache.past(rows)
         clean_lengths = self._lengths(clean_ids, clean_lengths, past)
         block_start = past + clean_lengths if commit else past
         block_lengths = self._lengths(block_ids, block_lengths, block_start)
         p = int(past.max())
+        # compiled for a block's commit or check, not for a prefill: the chunked scan's chunk count is a
+        # Python loop bound, so every prompt length would compile its own graph
+        if ("fused" in self._compiled and tc <= self.config.block_size and not isinstance(rows, torch.Tensor)
+                and gdn_trace is None):
+            if commit:   # every clean step is written, padded ones past their row's new length
+                cache.reserve(p + tc, self.config.max_position_embeddings)
+            out = self._call_compiled("fused", cache, rows, clean_ids, block_ids, past, clean_lengths, block_lengths,
+                                      p, commit, clean_logits)
+            if out is not None:
+                if commit:
+                    cache.advance(rows, clean_lengths)
+                return out
         if commit:
             cache.reserve(int((past + clean_lengths).max()), self.config.max_position_embeddings)
+        out = self._fused_body(clean_ids, block_ids, past, clean_lengths, block_lengths, p, commit, clean_logits,
+                               _CacheRows(cache, rows), gdn_trace)
+        if commit:
+            cache.advance(rows, clean_lengths)
+        return out
+
+    def _fused_views(self, clean_ids: torch.Tensor, block_ids: torch.Tensor, past: torch.Tensor,
+                     clean_lengths: torch.Tensor, block_lengths: torch.Tensor, p: int, commit: bool, clean_logits: str,
+                     keys: list, values: list, states: list, rings: list) -> tuple[torch.Tensor | None, torch.Tensor]:
+        return self._fused_body(clean_ids, block_ids, past, clean_lengths, block_lengths, p, commit, clean_logits,
+                                _RowViews(keys, values, states, rings, past), None)
+
+    def _fused_body(self, clean_ids: torch.Tensor, block_ids: torch.Tensor, past: torch.Tensor,
+                    clean_lengths: torch.Tensor, block_lengths: torch.Tensor, p: int, commit: bool, clean_logits: str,
+                    rows: _CacheRows | _RowViews, gdn_trace: dict[int, GDNCausalOut] | None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        (n, tc), s = clean_ids.shape, block_ids.shape[1]
+        block_start = past + clean_lengths if commit else past
         dev = clean_ids.device
         tc_steps, s_steps = torch.arange(tc, device=dev), torch.arange(s, device=dev)
         # keys: [cached prefix P | clean Tc | block S]; clean rows causal, block rows bidirectional inside
@@ -558,26 +658,24 @@ class CloverForCausalLM(nn.Module):
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             if layer.is_attention:
-                pk, pv = cache.kv(i, rows, p) if p > 0 else (None, None)
+                pk, pv = rows.kv(i, p) if p > 0 else (None, None)
                 out, k, v = layer.self_attn(x, *rope, mask, pk, pv)
                 if commit:
-                    cache.write_kv(i, k[:, :, :tc], v[:, :, :tc], clean_lengths, rows)
+                    rows.write_kv(i, k[:, :, :tc], v[:, :, :tc], clean_lengths)
                 return out
             gdn = layer.linear_attn
-            state, ring = cache.gdn(i, rows)
+            state, ring = rows.gdn(i)
             clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size,
                                return_chunk_states=gdn_trace is not None)
             if gdn_trace is not None:
                 gdn_trace[i] = clean
             if commit:
-                cache.set_gdn(i, rows, clean.state, clean.ring)
+                rows.set_gdn(i, clean.state, clean.ring)
                 state, ring = clean.state, clean.ring
             return torch.cat([clean.out, gdn.preview(x[:, tc:], state, ring, block_lengths)], dim=1)
 
         positions = torch.cat([past[:, None] + tc_steps[None, :], block_start[:, None] + s_steps[None, :]], dim=1)
         h, _ = self._run(torch.cat([clean_ids, block_ids], dim=1), positions, mixer)
-        if commit:
-            cache.advance(rows, clean_lengths)
         hc, hb = h[:, :tc], h[:, tc:]
         if clean_logits == "none":
             out_clean = None

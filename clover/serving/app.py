@@ -640,8 +640,7 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
 
     loaded = load_for_generation(model_dir, dtype, device)
     if compile:
-        print("clover serve: compiling the decode step (about a minute; cached on disk for the next start)", flush=True)
-        loaded.model.compile_decode(warmup=True)
+        loaded.model.compile_decode()
     name = model_name or (str(model_dir).rstrip("/").split("/")[-1] if model_dir else "clover-tiny")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
@@ -650,6 +649,10 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
     print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
           f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
     engine: AsyncEngine = app.state.engine
+    if compile:
+        print("clover serve: compiling the decoding passes (minutes on a few cores the first time; inductor keeps "
+              "them on disk for the next start)", flush=True)
+        engine.engine.warm_up()
 
     class Server(uvicorn.Server):
         """On SIGTERM / SIGINT the engine gets SHUTDOWN_GRACE_S to finish what is running and then ends the rest
