@@ -74,11 +74,16 @@ def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compil
     result = {"preset": preset, "parameters_total": config.num_parameters()[0],
               "clover_prefill_ms_per_token": 1e3 * prefill / prompt_len, "clover_preview_ms": 1e3 * preview,
               "clover_commit_ms": 1e3 * commit, "clover_ar_step_ms": 1e3 * ar_step}
-    if compiled:   # the same steps through model.compile_decode (compiled before timing)
+    if compiled:   # the same passes through model.compile_decode (compiled before timing)
         model.compile_decode(warmup=True)
         ar_steps()
         result["clover_ar_step_compiled_ms"] = 1e3 * statistics.median(t for _ in range(repeats) for t in ar_steps())
+        model.preview(mask_block, cache)
+        result["clover_preview_compiled_ms"] = 1e3 * _median_time(lambda: model.preview(mask_block, cache),
+                                                                  repeats * blocks)
         model.compile_decode(False)
+        result["preview_over_ar_step_compiled"] = (result["clover_preview_compiled_ms"]
+                                                   / result["clover_ar_step_compiled_ms"])
 
     ref = transformers_twin(model)
     if ref is not None:
@@ -113,7 +118,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prefill length in tokens")
     parser.add_argument("--blocks", type=int, default=4, help="block commits timed per repeat")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compile", action="store_true", help="also time the AR step compiled (compile_decode)")
+    parser.add_argument("--compile", action="store_true", help="also time the AR step and the preview compiled (compile_decode)")
     args = parser.parse_args()
     try:
         import transformers
@@ -129,7 +134,8 @@ def main() -> None:
     results = [bench_preset(p, args.prompt, args.blocks, args.repeats, args.compile) for p in args.presets.split(",")]
     for r in results:
         print(f"\n{r['preset']} ({r['parameters_total'] / 1e6:.1f}M parameters)")
-        for key in ("prefill_ms_per_token", "preview_ms", "commit_ms", "ar_step_ms", "ar_step_compiled_ms"):
+        for key in ("prefill_ms_per_token", "preview_ms", "commit_ms", "ar_step_ms", "ar_step_compiled_ms",
+                    "preview_compiled_ms"):
             ours, theirs = r.get(f"clover_{key}"), r.get(f"transformers_{key}")
             if ours is None:
                 continue

@@ -468,18 +468,19 @@ class CloverForCausalLM(nn.Module):
         """Plain causal logits [N,T,V], no cache."""
         return self.causal(input_ids, None, lengths)
 
-    # -- the one-token step, compiled ----------------------------------------------------------------
+    # -- compiled decoding passes --------------------------------------------------------------------
     def compile_decode(self, enabled: bool = True, warmup: bool = False) -> None:
         """Run the decoding passes through `torch.compile` (inductor, weights frozen as constants, C++
         wrapper) over views of the sequences' cache rows, with no host synchronisation inside: the
         one-token cache-writing `causal` call (the `ar` step), `preview`, and `causal_and_preview` (block
-        commits fused with a preview, `verify`'s checks; at most a block of clean tokens, so not prefills),
-        each where its rows are all or a slice and no `gdn_trace` is asked for. On 2 CPU cores the `ar` step takes about 1.7x less time
-        (benchmarks/forward.py --compile). Each new shape class compiles once (tens of seconds on 2
-        cores; inductor keeps the result on disk for the next process). The weights must not change
-        afterwards. `enabled` False returns to eager passes. `warmup`: compile the `ar` step now, for one
-        row and for several (a server does this before it listens). Should compiling fail (no C++
-        compiler, an unsupported torch), every pass falls back to eager with a warning."""
+        commits fused with a preview, `verify`'s checks; at most a block of clean tokens, so not
+        prefills), each where its rows are all or a slice and no `gdn_trace` is asked for. On 2 CPU
+        cores the `ar` step takes about half the time (benchmarks/forward.py --compile). Each new shape
+        class compiles once (tens of seconds to minutes on 2 cores; inductor keeps the result on disk for
+        the next process). The weights must not change afterwards. `enabled` False returns to eager
+        passes. `warmup`: compile the `ar` step now, for one row and for several (`Engine.warm_up` builds
+        every policy's passes). Should compiling fail (no C++ compiler, an unsupported torch), every
+        pass falls back to eager with a warning."""
         self._compiled = {}
         if not enabled:
             return
