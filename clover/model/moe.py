@@ -58,24 +58,13 @@ def experts_dense(
     return torch.einsum("etd,te->td", y, mix).to(x.dtype)
 
 
-# Measured on 2 CPU cores (clover-tiny: D 256, I 128, E 8, K 2): one expert's dispatch costs about 40 us of
-# per-operation overhead and batched expert arithmetic runs at about 100 GFLOP/s; the dense mix was the
-# faster one up to about 30 tokens.
-_DISPATCH_SECONDS, _FLOPS_PER_SECOND = 40e-6, 100e9
-
-
-def dense_is_cheaper(tokens: int, num_experts: int, top_k: int, hidden: int, width: int) -> bool:
-    """Whether `experts_dense` should take less time than `experts_grouped` for `tokens` tokens: the
-    arithmetic it wastes on the experts a token does not use against the dispatches it saves."""
-    wasted = tokens * (num_experts - top_k) * 6 * hidden * width / _FLOPS_PER_SECOND
-    return wasted < min(num_experts, tokens * top_k) * _DISPATCH_SECONDS
-
-
-# the grouped dispatch reads its per-expert counts on the host: a compiled graph calls it as it is, which
-# breaks the graph there (another compiled region, its guards, the eager dispatch); on clover-tiny the
-# dense mix costs less up to a preview fused with a block's check (65 tokens x 6 unused experts)
+# The grouped dispatch reads its per-expert counts on the host: a compiled graph calls it as it is, which
+# breaks the graph there (another compiled region, its guards, the eager dispatch). On clover-tiny the
+# dense mix costs less up to a preview fused with a block's check (65 tokens x 6 unused experts of
+# 256 x 128); the bound counts the multiply-adds it wastes, so a model with many or wide experts (the
+# 35B shape: 248 unused experts of 2048 x 512 for one token) keeps the grouped dispatch.
 _grouped_outside_graph = torch.compiler.disable(experts_grouped)
-_COMPILED_DENSE_LIMIT = 512
+_COMPILED_DENSE_WASTE = 512 * 256 * 128
 
 
 def experts_reference(
@@ -159,8 +148,8 @@ class SparseMoE(nn.Module):
         if self.use_reference:
             dispatch = experts_reference
         elif torch.compiler.is_compiling():   # no data-dependent shapes in a compiled graph
-            e = self.experts.down_proj.shape[0]
-            dense = flat.shape[0] * (e - self.top_k) <= _COMPILED_DENSE_LIMIT
+            e, d, width = self.experts.down_proj.shape
+            dense = flat.shape[0] * (e - self.top_k) * d * width <= _COMPILED_DENSE_WASTE
             dispatch = experts_dense if dense else _grouped_outside_graph
         else:
             dispatch = experts_grouped
