@@ -151,10 +151,13 @@ class _Progress:
         self.total, self.start, self.t0 = total, start, time.perf_counter()
         self.tty = sys.stderr.isatty()
 
-    def show(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def show(self, step: int, loss: float | None, tokens_per_s: float) -> None:
+        """`loss` is None for a logging window without scored tokens (SFT rows whose window holds no
+        assistant token)."""
         done = step - self.start
         eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
-        line = (f"step {step}/{self.total} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | "
+        shown = "-" if loss is None else f"{loss:.4f}"
+        line = (f"step {step}/{self.total} | loss {shown} | {tokens_per_s:,.0f} tok/s | "
                 f"ETA {int(eta // 3600):d}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}")
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
