@@ -316,17 +316,55 @@ def test_compiled_preview_and_fused_passes_equal_the_eager_ones(debug_config):
     _compare_compiled_with_eager(debug_config, ("step", "preview", "fused"))   # several minutes on 2 cores
 
 
+def _compile_error() -> Exception:
+    from torch._inductor.exc import CppCompileError
+
+    return CppCompileError(["c++", "pass.cpp"], "c++: command not found")
+
+
 def test_a_compiled_step_that_cannot_be_built_falls_back_to_eager(debug_model, caplog):
+    """The pass fails to compile after its first piece has already updated the GDN rows (a graph broken
+    in pieces): the fallback puts the rows back, so the eager rerun gives exactly the eager step."""
     ids = torch.randint(0, 500, (1, 9))
     with torch.inference_mode():
         cache = debug_model.new_cache(1)
         debug_model.causal(ids[:, :8], cache, logits="none")
         want = debug_model.causal(ids[:, 8:], cache.select([0]), logits="last")
 
-        def broken(*args):
-            raise RuntimeError("no C++ compiler")
+        def half_built(*args):
+            debug_model._one_token(*args)         # writes the GDN state and conv ring in place
+            raise _compile_error()
 
-        debug_model._compiled = {"step": broken, "preview": broken, "fused": broken}
+        debug_model._compiled = {"step": half_built, "preview": half_built, "fused": half_built}
         got = debug_model.causal(ids[:, 8:], cache, logits="last")
     assert debug_model._compiled == {} and "decoding eagerly" in caplog.text
-    assert_close(got, want, atol=ATOL, what="eager fallback") and int(cache.lengths[0]) == 9
+    assert torch.equal(got, want) and int(cache.lengths[0]) == 9
+
+
+def test_a_compiled_pass_raises_errors_that_are_not_compile_failures(debug_model):
+    """A computation error, or a compile error once the pass has run, is the caller's to see: rerunning a
+    pass that ran on a live cache would apply its step twice."""
+    ids = torch.randint(0, 500, (1, 2))
+    calls = []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("a bug in the pass")
+        if len(calls) == 2:
+            return debug_model._one_token(*args)
+        raise _compile_error()
+
+    debug_model._compiled = {"step": flaky}
+    try:
+        with torch.inference_mode():
+            cache = debug_model.new_cache(1)
+            debug_model.causal(ids[:, :1], cache, logits="none")
+            with pytest.raises(ValueError, match="a bug in the pass"):
+                debug_model.causal(ids[:, 1:], cache, logits="last")
+            debug_model.causal(ids[:, 1:], cache, logits="last")          # the second call runs
+            with pytest.raises(Exception, match="command not found"):
+                debug_model.causal(ids[:, 1:], cache, logits="last")
+        assert "step" in debug_model._compiled
+    finally:
+        debug_model.compile_decode(False)

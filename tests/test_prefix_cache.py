@@ -182,3 +182,27 @@ def test_chunked_prefill_gives_the_same_output_and_bounds_each_step(model, algor
         got = [results[f"req-{i}"] for i in (1, 0, 2)]
         assert got == want, (algorithm, cache_bytes)
         assert short_events >= 1
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_only_a_forward_crossing_a_block_boundary_before_its_end_asks_for_a_gdn_trace(model, algorithm,
+                                                                                      monkeypatch):
+    """A trace keeps a pass eager (compiled passes report no chunk states). The prefill crosses two
+    boundaries before its end and needs one; a step or a block's commit ends on the boundary it crosses,
+    whose state the cache itself holds."""
+    asked = []
+    for name in ("causal", "causal_and_preview"):
+        real = getattr(model, name)
+
+        def spy(*args, _real=real, **kw):
+            if kw.get("write", True) and kw.get("commit", True):   # the cache-writing forwards
+                asked.append(kw.get("gdn_trace") is not None)
+            return _real(*args, **kw)
+        monkeypatch.setattr(model, name, spy)
+    prompt = _tokens(21, 6)                                    # two whole blocks of 8 and a tail of 5
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    got = engine.generate([prompt], _params(algorithm, 19))[0]
+    assert asked[0] and not any(asked[1:]) and len(asked) > 2, asked
+    assert got.token_ids == Engine(model).generate([prompt], _params(algorithm, 19))[0].token_ids
+    again = engine.generate([prompt + got.token_ids], _params(algorithm, 3))[0]
+    assert again.stats.cached_tokens == 32   # the prefill kept 16; commits without a trace kept 24 and 32

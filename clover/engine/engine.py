@@ -285,7 +285,7 @@ class Engine:
             stats.tokens_reused += n * size
 
     def _remember(self, seqs: list[SequenceState], before: list[int], rings: dict[int, torch.Tensor],
-                  trace: dict) -> None:
+                  trace: dict | None) -> None:
         """Snapshot every block boundary the last cache-writing forward crossed (`before`: each row's
         length before it; `rings`: GDN conv rings before it; `trace`: GDN outputs with chunk states)."""
         size, cache = self.prefix.block_size, self.cache
@@ -301,7 +301,7 @@ class Engine:
                 if end == new:
                     states = [cache.states[i][s.row] if i in gdn else None for i in range(len(cache.states))]
                     ring = [cache.rings[i][s.row] if i in gdn else None for i in range(len(cache.rings))]
-                elif old % size == 0 and all(trace.get(i) is not None and trace[i].chunk_states is not None
+                elif old % size == 0 and trace is not None and all(trace.get(i) is not None and trace[i].chunk_states is not None
                                              for i in gdn):
                     c = (end - old) // size                                 # the chunk that starts at `end`
                     states = [trace[i].chunk_states[idx, :, c] if i in gdn else None for i in range(len(cache.states))]
@@ -320,7 +320,7 @@ class Engine:
         rows = self._rows(seqs)
         remember = self.prefix is not None and fn == "causal" and kw.get("write", True)
         if remember:
-            before, rings, kw["gdn_trace"] = self._before(rows)
+            before, rings, kw["gdn_trace"] = self._before(rows, lengths)
         out = self._timed(seqs, lambda: getattr(self.model, fn)(
             ids, self.cache, lengths=torch.tensor(lengths, device=ids.device), rows=rows, **kw))
         if remember:
@@ -333,7 +333,7 @@ class Engine:
         rows = self._rows(seqs)
         dev = self.model.device
         remember = self.prefix is not None and commit
-        before, rings, trace = self._before(rows) if remember else (None, None, None)
+        before, rings, trace = self._before(rows, [len(c) for c in clean]) if remember else (None, None, None)
         out = self._timed(seqs, lambda: self.model.causal_and_preview(
             self.pad(clean, 0), self.pad(blocks, self.config.mask_token_id), self.cache,
             clean_lengths=torch.tensor([len(c) for c in clean], device=dev),
@@ -360,10 +360,17 @@ class Engine:
             return slice(rows[0], rows[0] + len(rows))
         return torch.tensor(rows, device=self.model.device)
 
-    def _before(self, rows: torch.Tensor | slice) -> tuple[list[int], dict[int, torch.Tensor], dict]:
-        """What `_remember` needs from before a cache-writing forward: lengths, conv rings, a trace."""
+    def _before(self, rows: torch.Tensor | slice, lengths: list[int]) -> tuple[list[int], dict[int, torch.Tensor],
+                                                                             dict | None]:
+        """What `_remember` needs from before a forward writing `lengths` tokens per row: lengths, conv
+        rings, and a dict for the GDN trace when some row crosses a block boundary before its last token
+        (a prefill; else None: a step or a block's commit ends on the boundary it crosses, and a pass
+        without a trace may run compiled)."""
         rings = {i: r[rows].clone() for i, r in enumerate(self.cache.rings) if r is not None}
-        return self.cache.lengths[rows].tolist(), rings, {}
+        before = self.cache.lengths[rows].tolist()
+        size = self.prefix.block_size
+        inside = any((b // size + 1) * size < b + n for b, n in zip(before, lengths, strict=True))
+        return before, rings, {} if inside else None
 
     def pad(self, rows: list[list[int]] | list[torch.Tensor], fill: int) -> torch.Tensor:
         """Right-padded [N, max(1, longest)] long tensor on the model's device."""

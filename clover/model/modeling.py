@@ -240,6 +240,15 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 Mixer = Callable[[int, DecoderLayer, torch.Tensor, Rope], torch.Tensor]
 
 
+def _is_compile_error(exc: BaseException) -> bool:
+    """Whether `exc` says torch.compile could not build a graph (dynamo or inductor, a C++ compiler
+    failing), as opposed to an error of the computation itself."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return isinstance(exc, (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.CppCompileError))
+
+
 class _CacheRows:
     """The cache rows a pass reads and writes, through the `PrefixCache` methods (any rows: a tensor of
     rows is gathered and scattered)."""
@@ -305,6 +314,7 @@ class CloverForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.apply(self._init_weights)
         self._compiled: dict[str, Callable] = {}   # compiled passes by name, see compile_decode
+        self._compiled_ran: set[str] = set()        # the passes that have completed a compiled call
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -479,9 +489,10 @@ class CloverForCausalLM(nn.Module):
         class compiles once (tens of seconds to minutes on 2 cores; inductor keeps the result on disk for
         the next process). The weights must not change afterwards. `enabled` False returns to eager
         passes. `warmup`: compile the `ar` step now, for one row and for several (`Engine.warm_up` builds
-        every policy's passes). Should compiling fail (no C++ compiler, an unsupported torch), every
-        pass falls back to eager with a warning."""
-        self._compiled = {}
+        every policy's passes). Should a pass fail to compile on its first call (no C++ compiler, an
+        unsupported torch), the GDN rows it may have written are restored and every pass falls back to
+        eager with a warning; any other error, or a compile error after a pass has run, is raised."""
+        self._compiled, self._compiled_ran = {}, set()
         if not enabled:
             return
         options = {"freezing": True, "cpp_wrapper": True}
@@ -494,19 +505,31 @@ class CloverForCausalLM(nn.Module):
                     self.causal(ids, self.new_cache(n), logits="last")
 
     def _call_compiled(self, name: str, cache: PrefixCache, rows: slice | None, *args: object) -> object:
-        """Compiled pass `name` over views of the cache rows (written in place), or None if compiling
-        failed (then every pass is eager from now on)."""
+        """Compiled pass `name` over views of the cache rows (written in place), or None if it could not
+        be compiled on its first call (then every pass is eager from now on). A graph broken in pieces
+        (the grouped experts) runs its first pieces before the later ones compile, so the first call
+        keeps a copy of the rows' GDN state and conv ring to put back before the eager rerun; K/V are
+        only written past the rows' lengths, where the rerun writes them again."""
         r = slice(None) if rows is None else rows
         views = [[None if x is None else x[r] for x in xs] for xs in (cache.keys, cache.values, cache.states,
                                                                        cache.rings)]
+        first = name not in self._compiled_ran
+        saved = [None if x is None else x.clone() for x in views[2] + views[3]] if first else []
         try:
-            return self._compiled[name](*args, *views)
-        except Exception as exc:   # inductor could not build the pass here: decode eagerly from now on
+            out = self._compiled[name](*args, *views)
+        except Exception as exc:
+            if not first or not _is_compile_error(exc):
+                raise
+            for x, copy in zip(views[2] + views[3], saved, strict=True):
+                if x is not None:
+                    x.copy_(copy)
             import logging
 
             logging.getLogger(__name__).warning("compiled decoding passes unavailable, decoding eagerly: %s", exc)
             self._compiled = {}
             return None
+        self._compiled_ran.add(name)
+        return out
 
     def _one_token(self, ids: torch.Tensor, past: torch.Tensor, keys: list, values: list, states: list,
                    rings: list) -> torch.Tensor:
