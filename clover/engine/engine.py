@@ -333,10 +333,11 @@ class Engine:
         rows = self._rows(seqs)
         dev = self.model.device
         remember = self.prefix is not None and commit
-        before, rings, trace = self._before(rows, [len(c) for c in clean]) if remember else (None, None, None)
+        clean_lengths = [len(c) for c in clean]
+        before, rings, trace = self._before(rows, clean_lengths) if remember else (None, None, None)
         out = self._timed(seqs, lambda: self.model.causal_and_preview(
             self.pad(clean, 0), self.pad(blocks, self.config.mask_token_id), self.cache,
-            clean_lengths=torch.tensor([len(c) for c in clean], device=dev),
+            clean_lengths=torch.tensor(clean_lengths, device=dev),
             block_lengths=torch.tensor([len(b) for b in blocks], device=dev), rows=rows, commit=commit,
             clean_logits=clean_logits, gdn_trace=trace))
         if remember:
