@@ -7,7 +7,8 @@
 #   sft        two endpoints side by side: the shipped model and the recipe's checkpoint before SFT
 #              (runs/recipe/diff/model, from `make model`)
 # usage: scripts/agent_reports.sh [agent] [humaneval] [bench] [sft]   (no argument: all four)
-# Each part replaces its report. TASKS (default 8) sets the tasks per suite of the agent part.
+# Each part replaces its report. TASKS (default 8) sets the tasks per suite of the agent part, RUNS (default 3)
+# the runs of each task (at temperature 0 they repeat each other but for timing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
@@ -17,6 +18,7 @@ URL=http://127.0.0.1:$PORT/v1
 AR='{"algorithm": "ar"}'
 VERIFY='{"algorithm": "verify"}'
 TASKS=${TASKS:-8}
+RUNS=${RUNS:-3}
 block() { echo "{\"algorithm\": \"low_confidence\", \"block_size\": $1, \"threshold\": 0.95}"; }
 
 # serve PORT ARGS...: start `clover serve` in the background and wait until it answers /health
@@ -45,7 +47,7 @@ fi
 if has agent; then
   fresh reports/agent-clover-tiny
   "$BIN/clover" eval agent --endpoint "clover-tiny=$URL" --model clover-tiny --suite tools,memory,heldout,coding \
-    --tasks "$TASKS" --runs 3 --max-tokens 128 --condition "$AR" --condition "$VERIFY" --condition "$(block 16)" \
+    --tasks "$TASKS" --runs "$RUNS" --max-tokens 128 --condition "$AR" --condition "$VERIFY" --condition "$(block 16)" \
     --condition "$(block 32)" --out reports/agent-clover-tiny
 fi
 if has humaneval; then

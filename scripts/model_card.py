@@ -2,7 +2,7 @@
 
     python scripts/model_card.py RUNS_DIR MODEL_DIR [AGENT_REPORT_DIR] [SWEEP_JSON]
 
-RUNS_DIR holds the recipe's runs (ar/, diff/, sft/, distill/, times.jsonl) and the evaluation results
+RUNS_DIR holds the recipe's runs (ar/, diff/, sft/, distill/, sft2/, distill2/, times.jsonl) and the evaluation results
 of `scripts/evaluate_model.sh` (eval_*.json, bench_train.json); AGENT_REPORT_DIR (default
 reports/agent-clover-tiny) is `clover eval agent`'s output on the served model; SWEEP_JSON (default
 runs/sweep/sweep.json) is `benchmarks/sweep.py`'s. Every figure in the card is read from those files,
@@ -72,7 +72,7 @@ def main() -> None:
     report = Path(sys.argv[3] if len(sys.argv) > 3 else "reports/agent-clover-tiny")
     sweep_path = Path(sys.argv[4] if len(sys.argv) > 4 else "runs/sweep/sweep.json")
     load = lambda name: json.loads((runs / name).read_text()) if (runs / name).is_file() else None  # noqa: E731
-    stages = {name: _stage(runs / name) for name in ("ar", "diff", "sft", "distill")
+    stages = {name: _stage(runs / name) for name in ("ar", "diff", "sft", "distill", "sft2", "distill2")
               if (runs / name / "log.jsonl").is_file()}
     times = [json.loads(line) for line in (runs / "times.jsonl").read_text().splitlines()
              if line.strip()] if (runs / "times.jsonl").is_file() else []
@@ -114,7 +114,10 @@ def main() -> None:
         "6. Self-distillation for parallel decoding: `clover data distill` has the SFT model write greedy `ar`",
         "   replies to training chat prompts and continuations of training code; the noisy stream then learns",
         "   those outputs (the AR loss kept), so previews agree with the causal head.",
-        "7. Release in bfloat16.", "",
+        "7. A second round of SFT and self-distillation from the distilled model (`sft2`, `distill2`): fresh",
+        "   training windows and prompts (another seed), more code in the SFT mix (70% chat, 25% code, 5%",
+        "   English) to win back code bits per byte, and distillation of the improved model's own outputs.",
+        "8. Release in bfloat16.", "",
         "| stage | steps | batch x length | tokens | training time (at its median rate) | final train loss | "
         "final validation loss |",
         "|---|---|---|---|---|---|---|",

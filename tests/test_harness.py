@@ -197,6 +197,15 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
     assert len((cut / "results.jsonl").read_text().splitlines()) == 64
     with pytest.raises(ValueError, match="already holds a run"):
         harness.run_harness(_cfg(url), cut)
+    with pytest.raises(ValueError, match="other conditions, max_tokens"):   # not mixed with other settings' runs
+        cfg = _cfg(url, max_tokens=64)
+        cfg.conditions = [{"algorithm": "verify"}]
+        harness.run_harness(cfg, cut, resume=True)
+    with pytest.raises(ValueError, match="holds 2 runs of each task; resume it with --runs 2 or more"):
+        cfg = _cfg(url)
+        cfg.runs = 1
+        harness.run_harness(cfg, cut, resume=True)
+    assert len((cut / "results.jsonl").read_text().splitlines()) == 64
 
 
 @pytest.mark.parametrize("args,message", [

@@ -77,6 +77,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _weights_digest(model_dir: str | None) -> str:
+    """SHA-256 over a checkpoint's config and weight files: what makes its outputs what they are."""
+    import hashlib
+
+    from clover.model.checkpoint import default_model_dir
+
+    directory = Path(model_dir) if model_dir else default_model_dir()
+    h = hashlib.sha256()
+    for f in sorted([directory / "config.json", *directory.glob("*.safetensors")]):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _fresh_unless_same(root: Path, identity: dict) -> None:
+    """`clover eval tasks` resumes the task runs kept next to --out only when they were made by the same
+    weights with the same settings; others are cleared (they would stand in for this model's runs)."""
+    import shutil
+
+    marker = root / "identity.json"
+    if root.is_dir() and (not marker.is_file() or json.loads(marker.read_text()) != identity):
+        print(f"{root}: task runs of other weights or settings; starting afresh", file=sys.stderr)
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(identity, indent=2) + "\n")
+
+
 def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
     """`clover eval tasks`: the harness's `synthetic` suite against the checkpoint served in process (the
     one agent loop of the project), once with thinking on and once off; the harness's run directories
@@ -95,6 +124,9 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
     runs = []
     with tempfile.TemporaryDirectory() as tmp, serve_in_thread(app) as url:
         root = Path(args.out + ".runs") if args.out else Path(tmp)
+        _fresh_unless_same(root, {"weights_sha256": _weights_digest(args.model), "count": args.count,
+                                  "step_limit": args.step_limit, "max_tokens": args.max_tokens,
+                                  "condition": condition})
         for thinking in [True, False] if args.thinking == "both" else [args.thinking == "on"]:
             cfg = HarnessConfig(endpoints=[Endpoint(url + "/v1", "clover")], suites=("synthetic",),
                                 tasks_per_suite=args.count, runs=1, conditions=[condition], step_limit=args.step_limit,
@@ -124,7 +156,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "agent", help="agent workloads (tools, memory, coding, humaneval) against OpenAI-compatible endpoints",
         description="A fixed agent loop (same prompts, tools, timeouts, step limit and retry policy for every model) "
                     "over the OpenAI chat API with tools. Writes metadata, transcripts, results.jsonl, summary.json, "
-                    "report.md and PNG plots to --out; --resume continues an interrupted run. Model-written code runs "
+                    "report.md and PNG plots to --out; --resume continues an interrupted run (same settings; --runs may "
+                    "grow). Model-written code runs "
                     "in a subprocess with time and memory limits in the task's directory, inside bubblewrap "
                     "namespaces (no network, read-only elsewhere) where it is installed.",
         epilog="example: clover eval agent --endpoint http://127.0.0.1:8000/v1 --model clover-tiny --runs 3 "

@@ -179,6 +179,12 @@ def _infra_failure(exc: Exception) -> dict:
             "nfe": 0, "valid_tool_args": 0, "tool_calls": 0, "malformed": 0, "step_records": [], "transcript": []}
 
 
+# what a resumed run must share with its first part (metadata.json), or its results would not be one run's
+# (`runs` may grow: more runs of each task extend it)
+SAME_ON_RESUME = ("endpoints", "suites", "tasks_per_suite", "conditions", "step_limit", "task_timeout_s",
+                  "request_timeout_s", "max_tokens", "thinking")
+
+
 def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> dict:
     out = Path(out)
     results_path = out / "results.jsonl"
@@ -196,6 +202,14 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
     meta = _metadata(cfg)
     if previous and (out / "metadata.json").is_file():  # a resumed run keeps its first metadata, notes each resume
         first = json.loads((out / "metadata.json").read_text())
+        changed = [k for k in SAME_ON_RESUME if first.get(k) != meta[k]]
+        if changed:  # its task runs would be mixed with runs under other settings
+            raise ValueError(f"{out} holds a run with other {', '.join(changed)}; resume it with the same settings "
+                             "or choose another --out")
+        held = 1 + max(r["run"] for r in previous)
+        if held > cfg.runs:
+            raise ValueError(f"{out} holds {held} runs of each task; resume it with --runs {held} or more")
+        first["runs"] = cfg.runs
         first.setdefault("resumed", []).append({k: meta[k] for k in ("date", "commit")})
         meta = first
     (out / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
