@@ -6,6 +6,7 @@
 #   eval_copy_ar.json    copying on agent conversations of test seeds (clover eval copy), the AR parent
 #   eval_copy_final.json the same for MODEL
 #   eval_tasks.json      `clover eval tasks` (harness suite synthetic, in process), 20 tasks, thinking off, ar
+#   eval_turns_final.json `clover eval turns`: greedy ar turns on 60 agent conversations of validation seeds
 #   bench_train.json     benchmarks/train.py (training throughput of the tiny shape)
 # The agent suites run through `clover serve`: scripts/agent_reports.sh agent.
 # usage: scripts/evaluate_model.sh [MODEL_DIR] [RUNS_DIR]     (about 15 minutes on 2 idle cores)
@@ -27,6 +28,8 @@ step "code continuations"
 "$BIN/clover" eval match --model "$MODEL" --data "$DATA" --out "$RUNS/eval_match.json"
 step "synthetic agent tasks"
 "$BIN/clover" eval tasks --model "$MODEL" --count 20 --thinking off --algorithm ar --out "$RUNS/eval_tasks.json"
+step "validation turns"
+"$BIN/clover" eval turns --model "$MODEL" --out "$RUNS/eval_turns_final.json"
 step "training throughput"
 "$BIN/python" benchmarks/train.py --shapes tiny --steps 3 --compile | tail -1 > "$RUNS/bench_train.json"
 step "done"

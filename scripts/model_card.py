@@ -79,6 +79,7 @@ def main() -> None:
     bpb_ar, bpb_final = load("eval_bpb_ar.json"), load("eval_bpb_final.json")
     match, tasks, bench = load("eval_match.json"), load("eval_tasks.json"), load("bench_train.json")
     copy_ar, copy_final = load("eval_copy_ar.json"), load("eval_copy_final.json")
+    turns = load("eval_turns_final.json")
     sweep = json.loads(sweep_path.read_text()) if sweep_path.is_file() else None
     agent = _agent_rows(report) if (report / "summary.json").is_file() else {}
     config = json.loads((model_dir / "config.json").read_text())
@@ -186,6 +187,11 @@ def main() -> None:
             parent = (copy_ar or {}).get("results", {}).get(kind, {})
             lines.append(f"| {kind.replace('_', ' ')} | {r['tokens']} | {_fmt(parent.get('accuracy'))} | "
                          f"{_fmt(r['accuracy'])} |")
+    if turns:
+        fams = ", ".join(f"{k} {v['exact']:.0%} of {v['turns']}" for k, v in turns["by_family"].items())
+        lines += ["", f"Agent turns on validation seeds (`clover eval turns`): {turns['conversations']} conversations, "
+                      "each assistant turn after the last user message generated greedily by `ar` from the "
+                      f"conversation before it: {turns['exact']:.1%} of {turns['turns']} turns exactly right ({fams})."]
     if match:
         lines += ["", f"Held-out code continuations (`clover eval match --data data`): {match['prompts']} prompts from "
                       f"the test split, {match['new_tokens']} new tokens, greedy, block size {match['block_size']}, "

@@ -86,3 +86,37 @@ def test_copy_accuracy_scores_each_assistant_token_against_the_prediction_before
     assert good["number_copied"]["tokens"] > 0 and good["other_copied"]["tokens"] > 0
     assert all(r["accuracy"] == 1.0 for r in good.values() if r["tokens"])
     assert bad["number_copied"]["accuracy"] < 0.5 and bad["other_copied"]["accuracy"] < 0.5
+
+
+def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeypatch):
+    """A decoder that writes the reference turn (and the end-of-turn token) for every other prompt scores
+    exactly half; each prompt is the conversation up to the turn, rendered as the template renders it."""
+    from clover.model.tokenizer import IM_END
+    from clover.training.agent_data import training_tasks
+
+    seen = []
+
+    class Echo:
+        def __init__(self, model, tokenizer, max_batch_size):
+            pass
+
+        def generate(self, prompts, params):
+            out = []
+            for k, p in enumerate(prompts):
+                text = tok.decode(p)
+                seen.append(text)
+                task, i = turns[k]
+                full = tok.apply_chat_template(task.messages[: i + 1], tools=task.tools or None,
+                                               add_generation_prompt=False)
+                assert full.startswith(text)
+                out.append(type("R", (), {"text": full[len(text):] if k % 2 == 0 else "wrong" + IM_END})())
+            return out
+
+    tasks = training_tasks("val", 6)
+    turns = [(t, i) for t in tasks for i, m in enumerate(t.messages)
+             if m["role"] == "assistant" and i > max(j for j, x in enumerate(t.messages) if x["role"] == "user")]
+    monkeypatch.setattr(scores, "Engine", Echo)
+    got = scores.turn_accuracy(None, tok, count=6, split="val")
+    assert got["turns"] == len(turns) == len(seen) > 6
+    assert got["exact"] == (len(turns) + 1) // 2 / len(turns)
+    assert sum(f["turns"] for f in got["by_family"].values()) == len(turns)

@@ -1,4 +1,4 @@
-"""`clover eval` (bpb, match, copy, tasks, agent) and `clover bench serve`."""
+"""`clover eval` (bpb, match, copy, turns, tasks, agent) and `clover bench serve`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             for kind in args.kinds.split(",")]}
     elif args.eval_command == "copy":
         result = {"evaluation": "copy_accuracy", **scores.copy_accuracy(model, tok, args.count, args.split)}
+    elif args.eval_command == "turns":
+        result = {"evaluation": "turn_accuracy", **scores.turn_accuracy(model, tok, args.count, args.split)}
     elif args.eval_command == "match":
         result = {"evaluation": "continuation_match", **scores.continuation_match(
             model, tok, args.data, args.prompts, args.new_tokens, tuple(map(float, args.thresholds.split(","))),
@@ -184,12 +186,14 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                            ("match", "held-out code continuations: ar vs block diffusion, per-token match and TPF"),
                            ("copy", "held-out agent conversations, teacher-forced: next-token accuracy on the "
                                     "assistant's tokens, numbers copied from the conversation apart"),
+                           ("turns", "agent conversations (validation seeds by default), each assistant turn after the "
+                                     "last user message generated greedily by ar from the conversation before it: exact-match rate"),
                            ("tasks", "held-out synthetic agent tasks: the harness (suite synthetic) against the model served "
                                      "in process")):
         e = esub.add_parser(name, help=helptext, description=helptext + ".")
         e.add_argument("--model", help="checkpoint (default: the shipped model)")
         e.add_argument("--out", help="write the full result as JSON here")
-        if name not in ("tasks", "copy"):
+        if name not in ("tasks", "copy", "turns"):
             e.add_argument("--data", required=True, help="directory from `clover data build`")
         if name == "bpb":
             e.add_argument("--kinds", default="code,english")
@@ -205,6 +209,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         elif name == "copy":
             e.add_argument("--count", type=int, default=64, help="conversations")
             e.add_argument("--split", default="test", choices=["val", "test"])
+        elif name == "turns":
+            e.add_argument("--count", type=int, default=60, help="conversations")
+            e.add_argument("--split", default="val", choices=["val", "test"])
         else:
             e.add_argument("--count", type=int, default=100)
             e.add_argument("--step-limit", type=int, default=12)

@@ -8,6 +8,10 @@
 - `copy_accuracy`: held-out agent conversations (test seeds), teacher-forced: how often the causal
   head's next token is right on the assistant's tokens, by kind: digits of a number that stands earlier
   in the conversation (copied), of a number that does not (computed), other tokens seen earlier, others.
+- `turn_accuracy`: agent conversations of a split (validation seeds by default), each assistant turn
+  after the last user message generated greedily by `ar` from the conversation before it: how often the
+  turn (thinking, call markup, answer) comes out exactly right. Validation seeds, so a recipe can choose
+  between checkpoints on it without looking at test seeds.
 
 The agent tasks of the card (`clover eval tasks`) run through the evaluation harness against the model
 served in process, the project's one agent loop (`clover.cli.evaluate`).
@@ -31,7 +35,7 @@ from clover.engine.engine import Engine
 from clover.engine.sampling import SamplingParams
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CloverForCausalLM
-from clover.model.tokenizer import EOS_TOKEN, Tokenizer
+from clover.model.tokenizer import EOS_TOKEN, IM_END, Tokenizer
 from clover.training.data import read_raw
 
 
@@ -177,3 +181,36 @@ def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, spl
     return {"conversations": count, "split": split,
             "results": {k: {"accuracy": right[k] / total[k] if total[k] else None, "tokens": total[k]}
                         for k in COPY_KINDS}}
+
+
+@torch.inference_mode()
+def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, split: str = "val",
+                  max_new_tokens: int = 160, batch: int = 16) -> dict:
+    """Exact-match rate of greedy `ar` assistant turns on `count` agent conversations of `split`
+    (`clover.training.agent_data`, as `clover data build` writes them): every assistant turn after the
+    last user message, generated from the conversation before it (earlier turns are the reference's),
+    compared as text up to the end of the turn; overall and by task family."""
+    from clover.training.agent_data import training_tasks
+
+    prompts, refs, families = [], [], []
+    for task in training_tasks(split, count):
+        msgs, tools = task.messages, task.tools or None
+        thinking = any(m.get("reasoning_content") for m in msgs)   # as the training data renders it
+        last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant" and i > last_user:
+                prompt = tok.apply_chat_template(msgs[:i], tools=tools, enable_thinking=thinking)
+                full = tok.apply_chat_template(msgs[: i + 1], tools=tools, add_generation_prompt=False)
+                prompts.append(tok.encode(prompt))
+                refs.append(full[len(prompt):].split(IM_END)[0].strip())
+                families.append(task.family)
+    t0 = time.perf_counter()
+    outs = Engine(model, tokenizer=tok, max_batch_size=batch).generate(
+        prompts, SamplingParams(max_new_tokens=max_new_tokens, algorithm="ar"))
+    by_family: dict[str, list[bool]] = {}
+    for out, ref, family in zip(outs, refs, families, strict=True):
+        by_family.setdefault(family, []).append(out.text.split(IM_END)[0].strip() == ref)
+    right = [ok for oks in by_family.values() for ok in oks]
+    return {"conversations": count, "split": split, "turns": len(right), "exact": sum(right) / max(len(right), 1),
+            "by_family": {f: {"exact": sum(v) / len(v), "turns": len(v)} for f, v in sorted(by_family.items())},
+            "wall_s": time.perf_counter() - t0}
