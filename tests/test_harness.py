@@ -237,11 +237,15 @@ def test_eval_tasks_runs_the_harness_against_the_model_served_in_process(tmp_pat
     model = tmp_path / "m"
     assert cli_main(["init", str(model), "--preset", "debug", "--seed", "1"]) == 0
     out = tmp_path / "tasks.json"
-    assert cli_main(["eval", "tasks", "--model", str(model), "--count", "5", "--thinking", "off", "--max-tokens", "8",
-                     "--step-limit", "2", "--algorithm", "ar", "--out", str(out)]) == 0
+    args = ["eval", "tasks", "--model", str(model), "--count", "5", "--thinking", "off", "--max-tokens", "8",
+            "--step-limit", "2", "--algorithm", "ar", "--out", str(out)]
+    assert cli_main(args) == 0
     [run] = json.loads(out.read_text())["runs"]
     assert run["tasks"] == 5 and run["thinking"] is False and run["algorithm"] == "ar"
     assert sum(run["reasons"].values()) == 5 and set(run["reasons"]) <= set(harness.REASONS)
     assert run["success_rate"] == 0 and set(run["by_family"]) == set(synthetic.FAMILIES)
     results = (tmp_path / "tasks.json.runs" / "thinking-off" / "results.jsonl").read_text().splitlines()
     assert [json.loads(r)["params"] for r in results] == [{"algorithm": "ar"}] * 5
+    # a rerun with the same weights and settings resumes the kept runs (the server is on another port now)
+    assert cli_main(args) == 0
+    assert (tmp_path / "tasks.json.runs" / "thinking-off" / "results.jsonl").read_text().splitlines() == results

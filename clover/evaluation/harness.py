@@ -185,6 +185,14 @@ SAME_ON_RESUME = ("endpoints", "suites", "tasks_per_suite", "conditions", "step_
                   "request_timeout_s", "max_tokens", "thinking")
 
 
+def _resume_settings(meta: dict) -> dict:
+    """The SAME_ON_RESUME fields of a run's metadata; endpoints by name and model, not address (a server
+    may come back on another port)."""
+    out = {k: meta.get(k) for k in SAME_ON_RESUME}
+    out["endpoints"] = [(e["name"], e["model"]) for e in out["endpoints"] or []]
+    return out
+
+
 def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> dict:
     out = Path(out)
     results_path = out / "results.jsonl"
@@ -202,7 +210,8 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
     meta = _metadata(cfg)
     if previous and (out / "metadata.json").is_file():  # a resumed run keeps its first metadata, notes each resume
         first = json.loads((out / "metadata.json").read_text())
-        changed = [k for k in SAME_ON_RESUME if first.get(k) != meta[k]]
+        was, now = _resume_settings(first), _resume_settings(meta)
+        changed = [k for k in SAME_ON_RESUME if was[k] != now[k]]
         if changed:  # its task runs would be mixed with runs under other settings
             raise ValueError(f"{out} holds a run with other {', '.join(changed)}; resume it with the same settings "
                              "or choose another --out")
