@@ -135,31 +135,38 @@ def read_raw(out: str | Path, split: str, kind: str) -> Iterator[dict]:
 # -- tokens ---------------------------------------------------------------------------------------------
 
 
-def chat_example(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                 thinking: bool = True) -> tuple[list[int], list[int]]:
-    """Token ids of a rendered conversation and a 0/1 mask of the tokens the assistant writes.
-
-    Each assistant turn is the difference between the conversation rendered up to it with the
-    generation prompt and rendered through it, tokenized apart, as the model sees it at inference.
-    Assistant turns before the last user message are history: the template renders them differently
-    once the conversation goes on (no thinking block), so they are context, not scored.
-    """
-    ids: list[int] = []
-    mask: list[int] = []
-    done = ""
+def assistant_turns(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    thinking: bool = True) -> Iterator[tuple[str, str]]:
+    """(prompt, turn) texts of each assistant turn after the last user message: the conversation rendered
+    up to it with the generation prompt, as the model sees it at inference, and what the turn adds.
+    Assistant turns before the last user message are history: the template renders them differently once
+    the conversation goes on (no thinking block), so they are context, not turns to learn or score."""
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i < last_user:
             continue
         prompt = tokenizer.apply_chat_template(messages[:i], tools=tools, enable_thinking=thinking)
         full = tokenizer.apply_chat_template(messages[: i + 1], tools=tools, add_generation_prompt=False)
-        if not prompt.startswith(done) or not full.startswith(prompt):
+        if not full.startswith(prompt):
             raise ValueError(f"the chat template does not extend its own prefix at message {i}")
-        for text, flag in ((prompt[len(done):], 0), (full[len(prompt):], 1)):
+        yield prompt, full[len(prompt):]
+
+
+def chat_example(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                 thinking: bool = True) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered conversation and a 0/1 mask of the tokens the assistant writes: the
+    `assistant_turns` in order, each prompt's new text and each turn tokenized apart."""
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+    for prompt, turn in assistant_turns(tokenizer, messages, tools, thinking):
+        if not prompt.startswith(done):
+            raise ValueError("the chat template does not extend its own prefix")
+        for text, flag in ((prompt[len(done):], 0), (turn, 1)):
             piece = tokenizer.encode(text)
             ids += piece
             mask += [flag] * len(piece)
-        done = full
+        done = prompt + turn
     return ids, mask
 
 

@@ -191,19 +191,15 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     last user message, generated from the conversation before it (earlier turns are the reference's),
     compared as text up to the end of the turn; overall and by task family."""
     from clover.training.agent_data import training_tasks
+    from clover.training.data import assistant_turns
 
     prompts, refs, families = [], [], []
     for task in training_tasks(split, count):
-        msgs, tools = task.messages, task.tools or None
-        thinking = any(m.get("reasoning_content") for m in msgs)   # as the training data renders it
-        last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
-        for i, m in enumerate(msgs):
-            if m["role"] == "assistant" and i > last_user:
-                prompt = tok.apply_chat_template(msgs[:i], tools=tools, enable_thinking=thinking)
-                full = tok.apply_chat_template(msgs[: i + 1], tools=tools, add_generation_prompt=False)
-                prompts.append(tok.encode(prompt))
-                refs.append(full[len(prompt):].split(IM_END)[0].strip())
-                families.append(task.family)
+        thinking = any(m.get("reasoning_content") for m in task.messages)   # as the training data renders it
+        for prompt, turn in assistant_turns(tok, task.messages, task.tools or None, thinking):
+            prompts.append(tok.encode(prompt))
+            refs.append(turn.split(IM_END)[0].strip())
+            families.append(task.family)
     t0 = time.perf_counter()
     outs = Engine(model, tokenizer=tok, max_batch_size=batch).generate(
         prompts, SamplingParams(max_new_tokens=max_new_tokens, algorithm="ar"))
