@@ -2,10 +2,8 @@
 AR decoding of the same weights, and against transformers' greedy `generate` on the same backbone weights.
 
 For each prompt set and batch size: tokens/s, TPF and engine overhead (wall time outside model
-forwards, as a share of the total) for `ar`, `verify` (each drafting policy: `fused` check + preview
-in one forward, `separate` preview then check, fused with a check window; with drafts kept per check)
-and `low_confidence`
-(every block size x threshold), and tokens/s of transformers. Prompt sets: `random` token prompts of
+forwards, as a share of the total) for `ar`, `verify` (the default check window and --verify-windows,
+with drafts kept per check) and `low_confidence` (every block size x threshold), and tokens/s of transformers. Prompt sets: `random` token prompts of
 each --prompt-lengths, `code` (Python openings) and `agent` (tool-use chat turns of the synthetic
 test tasks, through the chat template); the last two need the checkpoint's tokenizer. Fixed output
 length (end-of-sequence ignored), greedy, same process. With --compile every decoder runs with its
@@ -102,7 +100,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--thresholds", default="0.5,0.7,0.9,0.95,1.0")
     parser.add_argument("--block-sizes", default="4,8,16,32")
-    parser.add_argument("--verify-windows", default="8", help="also measure verify with these check windows")
+    parser.add_argument("--verify-windows", default="4,16", help="also measure verify with these check windows")
     parser.add_argument("--context", type=int, help="the tiny preset at random with this context (long prompts)")
     parser.add_argument("--max-prefill-tokens", type=int, help="chunked prefill of at most this many tokens a step")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
@@ -134,10 +132,9 @@ def main() -> None:
     for batch in map(int, args.batches.split(",")):
         opts = {"max_batch_size": batch, "max_prefill_tokens": args.max_prefill_tokens}
         engine = Engine(model, **opts)
-        verifiers = {"verify-fused": engine,
-                     "verify-separate": Engine(model, policies={"verify": VerifyPolicy(fused=False)}, **opts)}
+        verifiers = {f"verify-w{VerifyPolicy().window}": engine}
         for w in args.verify_windows.split(",") if args.verify_windows else []:
-            verifiers[f"verify-fused-w{w}"] = Engine(model, policies={"verify": VerifyPolicy(window=int(w))}, **opts)
+            verifiers[f"verify-w{w}"] = Engine(model, policies={"verify": VerifyPolicy(window=int(w))}, **opts)
         sets = prompt_sets(args.prompts.split(","), [int(n) for n in args.prompt_lengths.split(",")], batch, model,
                            tokenizer)
         for label, prompts in sets:

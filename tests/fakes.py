@@ -50,11 +50,10 @@ class ScriptedModel:
             return None
         return torch.stack([self._logits(*self.ar_script(s + int(n))) for s, n in zip(starts, lengths, strict=True)])
 
-    def causal_and_preview(self, clean, block, cache, clean_lengths, block_lengths, rows, commit=True,
-                           clean_logits="last", gdn_trace=None):
+    def causal_and_preview(self, clean, block, cache, clean_lengths, block_lengths, rows, clean_logits="last",
+                           gdn_trace=None):
         """The fused pass as its two parts: a commit of the clean rows that have any (logged as a causal
         call, as the separate passes would be), then the preview of every block."""
-        assert commit, "the scripted model has no verify check"
         some = [i for i, n in enumerate(clean_lengths.tolist()) if n > 0]
         last = torch.zeros(clean.shape[0], self.config.vocab_size)
         if some:

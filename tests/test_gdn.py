@@ -58,6 +58,20 @@ def test_chunk_states_are_the_states_at_every_boundary():
         assert_close(states[:, :, i], s_ref, atol=2e-5, what=f"state before chunk {i}")
 
 
+@pytest.mark.parametrize("t", [1, 5, CHUNK + 3])
+def test_every_step_gives_the_state_after_each_step(t):
+    """`verify` keeps the state after its last kept row: both kernels give the state after every step,
+    each equal to the final state of the recurrence run up to that step."""
+    q, k, v, g, beta, s0 = _inputs(2, t, 2, 4, 3)
+    _, rec = delta_rule_recurrent(q, k, v, g, beta, s0, every_step=True)
+    _, chunked, _ = delta_rule_chunked(q, k, v, g, beta, s0, chunk_size=CHUNK, every_step=True)
+    assert rec.shape == chunked.shape == (2, t, 2, 4, 3)
+    for i in range(t):
+        _, s_ref = delta_rule_recurrent(q[:, : i + 1], k[:, : i + 1], v[:, : i + 1], g[:, : i + 1], beta[:, : i + 1], s0)
+        assert torch.equal(rec[:, i], s_ref)
+        assert_close(chunked[:, i], s_ref, atol=2e-5, what=f"state after step {i}")
+
+
 def test_zero_beta_and_decay_steps_leave_the_state_untouched():
     q, k, v, g, beta, s0 = _inputs(1, 5, 2, 4, 3)
     g[:, 3:] = 0

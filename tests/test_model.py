@@ -254,8 +254,8 @@ def test_kv_capacity_grows_geometrically_up_to_the_context():
 def _compare_compiled_with_eager(config: CloverConfig, passes: tuple[str, ...]) -> None:
     """`compile_decode` against the eager model on copies of one cache: one-token cache-writing steps
     (all rows, then a slice of two, across a growth of the K/V buffer), previews with padded blocks,
-    and fused passes (a check with a preview, a commit with a preview) give the eager logits and leave
-    the same cache. `passes`: which of "step", "preview", "fused" to run (each compiles its graphs)."""
+    `verify`'s check with a keep, and a commit fused with a preview give the eager logits and leave the
+    same cache. `passes`: which of "step", "check", "preview", "fused" to run (each compiles its graphs)."""
     import copy
 
     model = perturbed_model(config)
@@ -289,14 +289,20 @@ def _compare_compiled_with_eager(config: CloverConfig, passes: tuple[str, ...]) 
         if "preview" in passes:
             both(lambda m, c: m.preview(block, c, lengths=lengths))
             both(lambda m, c: m.preview(block[1:], c, lengths=lengths[1:], rows=slice(1, 3)))
-        if "fused" in passes:
+        if "check" in passes:
             drafts = torch.randint(0, 500, (3, 6))
-            both(lambda m, c: m.causal_and_preview(drafts, block, c, clean_lengths=torch.tensor([6, 2, 4]),
-                                                   block_lengths=lengths, commit=False, clean_logits="all"))
+
+            def check_and_keep(m, c):
+                logits, trail = m.check(drafts, c, lengths=torch.tensor([6, 2, 4]))
+                m.keep(c, trail, [3, 2, 1])
+                return logits
+
+            both(check_and_keep)
+        if "fused" in passes:
             done = torch.randint(0, 500, (3, 8))
             both(lambda m, c: m.causal_and_preview(done, block, c, clean_lengths=torch.tensor([8, 3, 8]),
-                                                   block_lengths=lengths, commit=True, clean_logits="last"))
-        assert set(model._compiled) == {"step", "preview", "fused"}   # it ran compiled, not after a fallback
+                                                   block_lengths=lengths, clean_logits="last"))
+        assert set(passes) <= model._compiled_ran   # it ran compiled, not after a fallback
     assert torch.equal(fast.lengths, eager.lengths) and ("step" not in passes or fast.capacity > 256)
     for r, n in enumerate(eager.lengths.tolist()):
         for a, b in zip(fast.keys + fast.values, eager.keys + eager.values, strict=True):
@@ -312,8 +318,8 @@ def test_compiled_one_token_step_equals_the_eager_step(debug_config):
 
 
 @pytest.mark.slow
-def test_compiled_preview_and_fused_passes_equal_the_eager_ones(debug_config):
-    _compare_compiled_with_eager(debug_config, ("step", "preview", "fused"))   # several minutes on 2 cores
+def test_compiled_preview_check_and_fused_passes_equal_the_eager_ones(debug_config):
+    _compare_compiled_with_eager(debug_config, ("step", "check", "preview", "fused"))   # several minutes on 2 cores
 
 
 def _compile_error() -> Exception:
@@ -332,10 +338,10 @@ def test_a_compiled_step_that_cannot_be_built_falls_back_to_eager(debug_model, c
         want = debug_model.causal(ids[:, 8:], cache.select([0]), logits="last")
 
         def half_built(*args):
-            debug_model._one_token(*args)         # writes the GDN state and conv ring in place
+            debug_model._steps(*args)         # writes the GDN state and conv ring in place
             raise _compile_error()
 
-        debug_model._compiled = {"step": half_built, "preview": half_built, "fused": half_built}
+        debug_model._compiled = {"step": half_built, "check": half_built, "preview": half_built, "fused": half_built}
         got = debug_model.causal(ids[:, 8:], cache, logits="last")
     assert debug_model._compiled == {} and "decoding eagerly" in caplog.text
     assert torch.equal(got, want) and int(cache.lengths[0]) == 9
@@ -352,7 +358,7 @@ def test_a_compiled_pass_raises_errors_that_are_not_compile_failures(debug_model
         if len(calls) == 1:
             raise ValueError("a bug in the pass")
         if len(calls) == 2:
-            return debug_model._one_token(*args)
+            return debug_model._steps(*args)
         raise _compile_error()
 
     debug_model._compiled = {"step": flaky}

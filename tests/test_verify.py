@@ -1,9 +1,9 @@
 """`verify` decoding (spec section 5b): the causal head decides, so the output is `ar`'s.
 
-Greedy output equals `ar` token for token (random and shipped model, both drafting policies, mixed
+Greedy output equals `ar` token for token (random and shipped model, several check windows, mixed
 batches, prompt tails inside a block, stop tokens and stop strings inside a draft); poisoned drafts
 change nothing and the cache never holds a rejected draft; sampled output follows `ar`'s
-distribution; the fused passes equal the separate ones.
+distribution; a check followed by a keep leaves the cache a prefill of the kept tokens would.
 """
 
 import copy
@@ -44,11 +44,11 @@ def _prompts(vocab: int = 500, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-@pytest.mark.parametrize(("fused", "window"), [(True, None), (False, None), (True, 3), (False, 1)])
-def test_greedy_verify_equals_ar_token_for_token(model, fused, window):
+@pytest.mark.parametrize("window", [1, 3, 8, 32])
+def test_greedy_verify_equals_ar_token_for_token(model, window):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     ar = Engine(model).generate(_prompts(), params.with_(algorithm="ar"))
-    engine = Engine(model, policies={"verify": VerifyPolicy(fused=fused, window=window)})
+    engine = Engine(model, policies={"verify": VerifyPolicy(window=window)})
     ve = engine.generate(_prompts(), params.with_(algorithm="verify"))
     assert [v.token_ids for v in ve] == [a.token_ids for a in ar]
     for v in ve:
@@ -59,18 +59,18 @@ def test_greedy_verify_equals_ar_token_for_token(model, fused, window):
 
 @pytest.mark.slow
 def test_compiled_verify_and_ar_equal_eager_ar(model):
-    """With the decoding passes compiled (`--compile`), `ar` and both `verify` drafting policies, in
+    """With the decoding passes compiled (`--compile`), `ar` and `verify` (two check windows), in
     batches of three over prompts with tails inside a block, write eager `ar`'s tokens (the compiled
     passes match the eager ones to 2e-5; the sharpened head leaves no near-ties at that scale)."""
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     want = [r.token_ids for r in Engine(model).generate(_prompts(), params.with_(algorithm="ar"))]
     fast = copy.deepcopy(model)
     fast.compile_decode()
-    for algorithm, policy in (("ar", None), ("verify", VerifyPolicy(fused=True)), ("verify", VerifyPolicy(fused=False))):
+    for algorithm, policy in (("ar", None), ("verify", VerifyPolicy()), ("verify", VerifyPolicy(window=3))):
         engine = Engine(fast, max_batch_size=3, policies=None if policy is None else {"verify": policy})
         got = engine.generate(_prompts(), params.with_(algorithm=algorithm))
         assert [r.token_ids for r in got] == want, (algorithm, policy)
-    assert set(fast._compiled) == {"step", "preview", "fused"}   # it ran compiled, not after a fallback
+    assert set(fast._compiled_ran) == {"step", "check", "preview", "fused"}   # it ran compiled, no fallback
 
 
 def test_verify_in_a_batch_mixing_algorithms_equals_verify_alone(model):
@@ -117,7 +117,7 @@ class PoisonedVerify(VerifyPolicy):
     check keeps the right ones, replaces the poisoned one, and must never let it into the cache."""
 
     def __init__(self, truth: list[int], prompt_len: int, vocab: int) -> None:
-        super().__init__(fused=True)
+        super().__init__()
         self.truth, self.prompt_len, self.vocab = truth, prompt_len, vocab
 
     def _draft(self, engine, s, logits):
@@ -134,12 +134,12 @@ class TruthfulVerify(VerifyPolicy):
     the causal head's next token, past what the preview drafted."""
 
     def __init__(self, truth: list[int], prompt_len: int, window: int) -> None:
-        super().__init__(fused=True, window=window)
+        super().__init__(window=window)
         self.truth, self.prompt_len = truth, prompt_len
 
     def _draft(self, engine, s, logits):
         super()._draft(engine, s, logits)
-        for slot in (~s.resolved[: s.draft_end]).nonzero().squeeze(-1).tolist():
+        for slot in (~s.resolved).nonzero().squeeze(-1).tolist():
             k = s.pos + slot - self.prompt_len
             if 0 <= k < len(self.truth):
                 s.drafts[slot] = self.truth[k]
@@ -159,16 +159,17 @@ def test_kept_windows_continue_with_the_causal_heads_token(model, window):
 
 
 def _assert_cache_is_prefill_of(model, engine, s, tokens):
+    n = s.cached
+    assert s.pos <= n <= len(tokens)
     ref = model.new_cache(1)
-    model.causal(torch.tensor([tokens[: s.pos]]), ref, logits="none")
+    model.causal(torch.tensor([tokens[:n]]), ref, logits="none")
     cache, row = engine.cache, s.row
-    assert int(cache.lengths[row]) == s.pos
+    assert int(cache.lengths[row]) == n
     for layer in range(len(cache.keys)):
         if cache.keys[layer] is not None:
-            torch.testing.assert_close(cache.keys[layer][row, :, : s.pos], ref.keys[layer][0, :, : s.pos],
-                                       atol=1e-5, rtol=0)
-            torch.testing.assert_close(cache.values[layer][row, :, : s.pos], ref.values[layer][0, :, : s.pos],
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.keys[layer][row, :, :n], ref.keys[layer][0, :, :n], atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.values[layer][row, :, :n], ref.values[layer][0, :, :n], atol=1e-5,
+                                       rtol=0)
         else:
             torch.testing.assert_close(cache.states[layer][row], ref.states[layer][0], atol=1e-5, rtol=0)
             torch.testing.assert_close(cache.rings[layer][row], ref.rings[layer][0], atol=1e-5, rtol=0)
@@ -236,8 +237,8 @@ def test_sampled_verify_follows_the_ar_distribution():
         return Engine(m, max_batch_size=n, policies=policy).generate([prompt] * n, params)
 
     crit = {k: k + 3.1 * math.sqrt(2 * k) + 6 for k in range(1, usable + 1)}  # about the 0.001 tail
-    # the whole block drafted at once; and a window of one draft, where a kept draft is followed by
-    # the causal head's own sampled token
+    # the default window; and a window of one draft, where a kept draft is followed by the causal
+    # head's own sampled token
     for policy in (None, {"verify": VerifyPolicy(window=1)}):
         ve = run("verify", temp, policy)
         assert sum(r.stats.drafts_accepted for r in ve) > n // 10   # both branches of the acceptance rule run
@@ -251,7 +252,38 @@ def test_sampled_verify_follows_the_ar_distribution():
     assert max(chi2(other[:, pos], exact[pos])[0] - crit[chi2(other[:, pos], exact[pos])[1]] for pos in range(3)) > 0
 
 
-def test_fused_passes_equal_the_separate_passes(model):
+def test_check_then_keep_equals_a_commit_of_the_kept_rows(model):
+    """`model.check` gives the causal logits of its rows without committing them, and `model.keep` of the
+    first n rows leaves the cache exactly as a causal commit of those n rows (K/V, GDN state and conv
+    ring, lengths); rows of different cache lengths, check lengths and kept counts (none included)."""
+    ids = torch.randint(0, 500, (4, 40), generator=torch.Generator().manual_seed(5))
+    past, check_len, kept = [11, 5, 8, 16], [7, 3, 7, 5], [4, 3, 0, 1]
+    with torch.no_grad():
+        base = model.new_cache(4)
+        model.causal(ids[:, :16], base, lengths=torch.tensor(past), logits="none")
+        rows = torch.stack([ids[r, p: p + 7] for r, p in enumerate(past)])
+        got, want = copy.deepcopy(base), copy.deepcopy(base)
+        logits, trail = model.check(rows, got, lengths=torch.tensor(check_len))
+        assert got.lengths.tolist() == past                                   # nothing committed yet
+        ref = model.causal(rows, copy.deepcopy(base), lengths=torch.tensor(check_len), logits="all")
+        for r, n in enumerate(check_len):
+            torch.testing.assert_close(logits[r, :n], ref[r, :n], atol=2e-5, rtol=0)
+        model.keep(got, trail, kept)
+        model.causal(rows, want, lengths=torch.tensor(kept), logits="none")
+    assert got.lengths.tolist() == want.lengths.tolist() == [p + k for p, k in zip(past, kept, strict=True)]
+    for a, b in ((got.states, want.states), (got.rings, want.rings)):
+        for x, y in zip(a, b, strict=True):
+            if x is not None:
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+    for layer, k in enumerate(want.keys):
+        if k is not None:
+            for r, n in enumerate(want.lengths.tolist()):
+                torch.testing.assert_close(got.keys[layer][r, :, :n], k[r, :, :n], atol=1e-5, rtol=0)
+                torch.testing.assert_close(got.values[layer][r, :, :n], want.values[layer][r, :, :n], atol=1e-5,
+                                           rtol=0)
+
+
+def test_fused_commit_and_preview_equal_the_separate_passes(model):
     b = model.config.block_size
     ids = torch.randint(0, 500, (3, 40), generator=torch.Generator().manual_seed(5))
     past, clean_len, block_len = [11, 5, 8], torch.tensor([b, 3, 0]), torch.tensor([b, 5, b])
@@ -261,24 +293,22 @@ def test_fused_passes_equal_the_separate_passes(model):
         clean = ids[:, 11: 11 + b]
         block = torch.full((3, b), model.config.mask_token_id)
         block[:, :2] = ids[:, 20:22]
-        for commit in (True, False):
-            sep, fus = copy.deepcopy(base), copy.deepcopy(base)
-            want_clean = model.causal(clean, sep, lengths=clean_len, logits="all", write=commit)
-            want_block = model.preview(block, sep, lengths=block_len)
-            got_clean, got_block = model.causal_and_preview(clean, block, fus, clean_len, block_len, commit=commit,
-                                                            clean_logits="all")
-            for r in range(3):
-                n = int(clean_len[r])
-                torch.testing.assert_close(got_clean[r, :n], want_clean[r, :n], atol=2e-5, rtol=0)
-                n = int(block_len[r])
-                torch.testing.assert_close(got_block[r, :n], want_block[r, :n], atol=2e-5, rtol=0)
-            assert sep.lengths.tolist() == fus.lengths.tolist() == [p + commit * int(c) for p, c in zip(past, clean_len, strict=True)]
-            for a, c in ((sep.states, fus.states), (sep.rings, fus.rings)):
-                for x, y in zip(a, c, strict=True):
-                    if x is not None:
-                        torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
-            for layer, k in enumerate(sep.keys):
-                if k is not None:
-                    for r in range(3):
-                        n = int(sep.lengths[r])
-                        torch.testing.assert_close(fus.keys[layer][r, :, :n], k[r, :, :n], atol=1e-5, rtol=0)
+        sep, fus = copy.deepcopy(base), copy.deepcopy(base)
+        want_clean = model.causal(clean, sep, lengths=clean_len, logits="all")
+        want_block = model.preview(block, sep, lengths=block_len)
+        got_clean, got_block = model.causal_and_preview(clean, block, fus, clean_len, block_len, clean_logits="all")
+        for r in range(3):
+            n = int(clean_len[r])
+            torch.testing.assert_close(got_clean[r, :n], want_clean[r, :n], atol=2e-5, rtol=0)
+            n = int(block_len[r])
+            torch.testing.assert_close(got_block[r, :n], want_block[r, :n], atol=2e-5, rtol=0)
+        assert sep.lengths.tolist() == fus.lengths.tolist() == [p + int(c) for p, c in zip(past, clean_len, strict=True)]
+        for a, c in ((sep.states, fus.states), (sep.rings, fus.rings)):
+            for x, y in zip(a, c, strict=True):
+                if x is not None:
+                    torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
+        for layer, k in enumerate(sep.keys):
+            if k is not None:
+                for r in range(3):
+                    n = int(sep.lengths[r])
+                    torch.testing.assert_close(fus.keys[layer][r, :, :n], k[r, :, :n], atol=1e-5, rtol=0)

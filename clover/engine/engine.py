@@ -29,7 +29,7 @@ from clover.engine.sequence import Event, GenerationResult, GenerationStats, Seq
 from clover.engine.structured import GrammarCompiler
 from clover.model.cache import PrefixCache
 from clover.model.config import GenerationConfig
-from clover.model.modeling import CloverForCausalLM
+from clover.model.modeling import CheckTrail, CloverForCausalLM
 
 __all__ = ["Engine", "Event", "GenerationResult", "GenerationStats", "StepRecord"]
 log = logging.getLogger(__name__)
@@ -328,21 +328,28 @@ class Engine:
         return out
 
     def fused(self, seqs: list[SequenceState], clean: list[list[int]] | list[torch.Tensor],
-              blocks: list[torch.Tensor], commit: bool, clean_logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """model.causal_and_preview over the sequences' rows (a commit or check fused with a preview), timed."""
+              blocks: list[torch.Tensor], clean_logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """model.causal_and_preview over the sequences' rows (a commit fused with a preview), timed."""
         rows = self._rows(seqs)
         dev = self.model.device
-        remember = self.prefix is not None and commit
+        remember = self.prefix is not None
         clean_lengths = [len(c) for c in clean]
         before, rings, trace = self._before(rows, clean_lengths) if remember else (None, None, None)
         out = self._timed(seqs, lambda: self.model.causal_and_preview(
             self.pad(clean, 0), self.pad(blocks, self.config.mask_token_id), self.cache,
             clean_lengths=torch.tensor(clean_lengths, device=dev),
-            block_lengths=torch.tensor([len(b) for b in blocks], device=dev), rows=rows, commit=commit,
+            block_lengths=torch.tensor([len(b) for b in blocks], device=dev), rows=rows,
             clean_logits=clean_logits, gdn_trace=trace))
         if remember:
             self._remember(seqs, before, rings, trace)
         return out
+
+    def keep(self, seqs: list[SequenceState], trail: CheckTrail, counts: list[int]) -> None:
+        """model.keep: commit the first counts[i] rows of the last check of seqs[i] (`verify`), timed."""
+        before = self.cache.lengths[trail.rows].tolist() if self.prefix is not None else None
+        self._timed(seqs, lambda: self.model.keep(self.cache, trail, counts))
+        if before is not None:   # a keep ends where it crosses a boundary: the cache holds that state
+            self._remember(seqs, before, {}, None)
 
     def _timed(self, seqs: list[SequenceState], call: Callable[[], object]) -> object:
         """Run one forward, adding its wall time to the engine's and to each sequence's model time."""

@@ -13,14 +13,12 @@ is one new class added to `POLICIES`.
   same forward as the next block's first preview, and the prompt prefill in the same forward as the
   first preview (`model.causal_and_preview`, equal to the separate passes): p forwards per block of
   p denoising steps, not p + 1.
-- `verify` (spec section 5b): the preview drafts, the causal head decides. Each check is one forward
-  that runs the block with its drafts causally over the cache (not written) and, fused with it, the
-  preview of the block with its unverified slots masked, which drafts the next check. Drafts are kept
+- `verify` (spec section 5b): the preview drafts, the causal head decides. A block is previewed once
+  (fused with the commit before it) and its drafts are checked a window at a time by causal forwards
+  that write the cache only for the tokens they verify (`model.check` / `model.keep`): drafts are kept
   while they equal the `ar` decoder's choice, and the first disagreement is replaced by that choice,
   so every check yields at least one token and the output is `ar`'s (speculative sampling at
-  temperature > 0). Nothing of a rejected draft reaches the cache: the block is committed only
-  when every slot is verified, fused with the next block's first preview. `VerifyPolicy(fused=False)`
-  drafts with a separate preview before each check (measured in benchmarks/decode.py).
+  temperature > 0). Nothing of a rejected draft reaches the cache.
 
 Dimension letters: S block slots, V vocabulary.
 """
@@ -109,7 +107,7 @@ class _Blocks:
             s.pos = len(s.prompt) // s.block_size * s.block_size
             self.start_block(engine, s)
         clean = [s.prompt[a: s.pos] for a, s in zip(start, seqs, strict=True)]
-        last, logits = engine.fused(seqs, clean, [s.block for s in seqs], commit=True, clean_logits="last")
+        last, logits = engine.fused(seqs, clean, [s.block for s in seqs], clean_logits="last")
         for i, s in enumerate(seqs):
             s.stats.prefill_forwards += int(len(clean[i]) > 0)
             s.stats.preview_forwards += 1
@@ -122,7 +120,7 @@ class _Blocks:
         for s in seqs:
             s.pos += len(s.block)
             self.start_block(engine, s)
-        last, logits = engine.fused(seqs, done, [s.block for s in seqs], commit=True, clean_logits="last")
+        last, logits = engine.fused(seqs, done, [s.block for s in seqs], clean_logits="last")
         for i, s in enumerate(seqs):
             s.stats.commit_forwards += 1
             with engine.isolated(s, events):
@@ -253,19 +251,25 @@ class LowConfidence(_Blocks):
 
 
 class VerifyPolicy(_Blocks):
-    """`verify`: drafts from the preview, checked and corrected by the causal head (spec section 5b).
+    """`verify`: drafts from the block's preview, checked and corrected by the causal head (spec section 5b).
 
-    `fused`: the check and the next preview share one forward (else a preview forward drafts before
-    each check). `window`: a check runs both streams over the block only up to `window` slots past the
-    first unverified one (None: the whole block), so that a check costs less than a full two-stream
-    block; the drafts it checks are those the last preview made inside that range, and when every one
-    is kept the causal head adds the next token itself, as `ar` would.
+    A block is previewed once, fused with the commit of what precedes it, and its preview drafts
+    every slot. Each check is then one causal forward over the verified tokens not yet in the cache
+    (usually one: the last token the causal head picked) followed by the next `window` drafts
+    (`model.check`): drafts are kept while they equal the `ar` decoder's choice, the first
+    disagreement is replaced by that choice (speculative sampling at temperature > 0), and when all are
+    kept the causal head adds the next token itself, so every check yields at least one token and the
+    output is `ar`'s. `model.keep` then commits the verified rows of the check to the cache (the
+    K/V already written, the GDN state of the last kept row), never a rejected draft's. A check thus
+    costs about an `ar` step plus its few drafts; the block is not re-previewed between checks (on
+    clover-tiny a preview before every check kept more drafts but cost more than they saved:
+    benchmarks/decode.py history in the README).
     """
 
-    def __init__(self, fused: bool = True, window: int | None = None) -> None:
-        if window is not None and window < 1:
-            raise ValueError(f"window must be a positive number of slots or None, got {window}")
-        self.fused, self.window = fused, window
+    def __init__(self, window: int = 8) -> None:
+        if window < 1:
+            raise ValueError(f"window must be a positive number of drafts, got {window}")
+        self.window = window
 
     def reusable(self, s: SequenceState) -> int:
         """As for block diffusion, but a prompt that ends on a block boundary keeps its last token to
@@ -273,89 +277,106 @@ class VerifyPolicy(_Blocks):
         whole = len(s.prompt) // s.block_size * s.block_size
         return whole - 1 if whole == len(s.prompt) else whole
 
-    def _end(self, s: SequenceState) -> int:
-        """The end of the range a check looks at: `window` slots past the first unverified one."""
-        j = int(s.resolved.sum())
-        return len(s.block) if self.window is None else min(len(s.block), j + self.window)
-
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
-        if not self.fused:
-            stale = [s for s in seqs if s.drafts is None]
-            if stale:
-                ends = [self._end(s) for s in stale]
-                logits = engine.forward(stale, "preview", engine.pad([s.block[:e] for s, e in zip(stale, ends,
-                                                                                                  strict=True)],
-                                                                     engine.config.mask_token_id), ends)
-                for s, lg, e in zip(stale, logits, ends, strict=True):
-                    s.stats.preview_forwards += 1
-                    with engine.isolated(s, events):
-                        self._draft(engine, s, lg[:e])
-            seqs = [s for s in seqs if s.finish_reason is None]
-            if not seqs:
-                return
-        # each check runs the block with its drafts up to the last drafted slot in range (none, when a
-        # kept window and the causal head's next token went past what the last preview drafted)
-        ends = [max(int(s.resolved.sum()), min(self._end(s), s.draft_end)) for s in seqs]
-        drafted = [torch.where(s.resolved, s.block, s.drafts)[: max(e, 1)] for s, e in zip(seqs, ends, strict=True)]
-        if self.fused:
-            # the preview sees only verified slots: feeding it the drafts being checked (all of them, or
-            # the leading ones above a confidence) gave fewer kept drafts per check on clover-tiny
-            inputs = [s.block[: self._end(s)] for s in seqs]
-            checks, previews = engine.fused(seqs, drafted, inputs, commit=False, clean_logits="all")
-        else:
-            checks = engine.forward(seqs, "causal", engine.pad(drafted, 0), [len(d) for d in drafted], logits="all",
-                                    write=False)
-        finished_blocks = []
+        inputs, pending, drafted = [], [], []
+        for s in seqs:
+            j = int(s.resolved.sum())                        # slots < j are verified (a prefix)
+            p = s.pos + j - s.cached                         # verified, not yet in the cache (>= 1)
+            m = min(self.window, len(s.block) - j)           # drafts checked
+            inputs.append(torch.cat([s.block[j - p: j], s.drafts[j: j + m]]))
+            pending.append(p)
+            drafted.append(m)
+        lengths = [len(x) for x in inputs]
+        # one compiled shape for the usual check (one pending token), one for a prompt tail's
+        usual = min(1 + self.window, engine.config.block_size)
+        width = usual if max(lengths) <= usual else engine.config.block_size
+        ids = engine.pad(inputs, 0)
+        ids = torch.cat([ids, ids.new_zeros(len(seqs), width - ids.shape[1])], dim=1)
+        logits, trail = engine.forward(seqs, "check", ids, lengths)
+        counts = [0] * len(seqs)
         for i, s in enumerate(seqs):
             s.stats.check_forwards += 1
+            p, m = pending[i], drafted[i]
             with engine.isolated(s, events):
-                self._check(engine, s, checks[i, : len(drafted[i])], ends[i], events)
-            done = bool(s.resolved.all())
-            s.stats.blocks += int(done or s.finish_reason is not None)
+                preds = logits[i, p - 1: p + m]              # row t predicts the slot after it
+                if int(s.resolved.sum()) + m == len(s.block):
+                    s.carry = preds[m]                       # the next block's first slot
+                    preds = preds[:m]
+                counts[i] = p + self._check(engine, s, preds, m, events)
             if s.finish_reason is not None:
-                continue
-            if done:
-                finished_blocks.append(s)
-            elif self.fused:
+                counts[i] = 0                                # its row is freed
+        engine.keep(seqs, trail, counts)
+        done = []
+        for s, n in zip(seqs, counts, strict=True):
+            s.cached += n
+            if s.finish_reason is None and bool(s.resolved.all()):
+                s.stats.blocks += 1
+                done.append(s)
+        if done:
+            self.next_block(engine, done, events)
+
+    def next_block(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Preview the next block of each finished one: fused with the commit of its last token when the
+        causal head picked that one (else the check kept every row, and its last row predicts the slot)."""
+        commit = [s for s in seqs if s.cached < s.pos + len(s.block)]
+        if commit:
+            self.commit(engine, commit, events)
+        rest = [s for s in seqs if s not in commit]
+        for s in rest:
+            s.pos += len(s.block)
+            self.start_block(engine, s)
+        if rest:
+            logits = engine.forward(rest, "preview", engine.pad([s.block for s in rest], engine.config.mask_token_id),
+                                    [len(s.block) for s in rest])
+            for s, lg in zip(rest, logits, strict=True):
+                s.stats.preview_forwards += 1
                 with engine.isolated(s, events):
-                    self._draft(engine, s, previews[i, : len(inputs[i])])
-            else:
-                s.drafts = None
-        if finished_blocks:
-            self.commit(engine, finished_blocks, events)
+                    self.after_preview(engine, s, lg[: len(s.block)], s.carry, events)
+
+    def commit(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Commit the verified tokens of each block not yet in the cache (its last one) fused with the
+        first preview of the sequence's next block."""
+        done = [s.block[s.cached - s.pos:] for s in seqs]
+        for s in seqs:
+            s.pos += len(s.block)
+            self.start_block(engine, s)
+        last, logits = engine.fused(seqs, done, [s.block for s in seqs], clean_logits="last")
+        for i, s in enumerate(seqs):
+            s.stats.commit_forwards += 1
+            with engine.isolated(s, events):
+                self.after_preview(engine, s, logits[i, : len(s.block)], last[i], events)
 
     def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
                       events: list[Event]) -> None:
-        # the causal prediction of the block's first slot, needed when no prompt token sits in the block
-        s.carry = carry if s.fixed == 0 else None
+        """Draft the block from its preview logits [S,V]; the cache now ends at the block's start. Without a
+        prompt tail in the block, the causal prediction `carry` of its first slot gives that slot now."""
+        s.cached = s.pos
         self._draft(engine, s, logits)
+        if s.fixed == 0:
+            self._check(engine, s, carry[None], 0, events)
 
     def _draft(self, engine: Engine, s: SequenceState, logits: torch.Tensor) -> None:
-        """Draft the unresolved slots that preview logits [E,V] cover (the first E slots of the block):
-        argmax, or a sample whose distribution is kept for the speculative acceptance."""
-        s.draft_end = logits.shape[0]
-        masked = ~s.resolved[: s.draft_end]
+        """Draft the unresolved slots from preview logits [S,V]: argmax, or a sample whose distribution
+        is kept for the speculative acceptance."""
+        masked = ~s.resolved
         lg = engine.mask_out(logits[masked])
         s.drafts = s.block.clone()
         if s.params.greedy:
-            s.drafts[: s.draft_end][masked] = pick_tokens(lg, s.params, s.counts, s.generator)[0]
+            s.drafts[masked] = pick_tokens(lg, s.params, s.counts, s.generator)[0]
             s.draft_probs = None
         else:
             probs = token_distribution(lg, s.params, s.counts)                    # [M,V]
-            s.drafts[: s.draft_end][masked] = sample_from(probs, s.generator)
+            s.drafts[masked] = sample_from(probs, s.generator)
             s.draft_probs = torch.zeros(len(s.block), probs.shape[-1], device=probs.device)
-            s.draft_probs[: s.draft_end][masked] = probs
+            s.draft_probs[masked] = probs
 
-    def _check(self, engine: Engine, s: SequenceState, causal: torch.Tensor, end: int, events: list[Event]) -> None:
-        """Keep the drafts of slots j .. end-1 that the causal head agrees with (j: the first unverified
-        slot); causal logits [E,V] at slot i predict slot i + 1, and `s.carry` predicts slot 0. When all
-        are kept and the block goes on, the causal head's own token for slot `end` follows."""
-        j = int(s.resolved.sum())                              # slots < j are verified (a prefix)
-        preds = causal[max(j - 1, 0): end]                     # predictions for slots j .. end
-        if j == 0:
-            preds = torch.cat([s.carry[None], preds])
-        preds = raw = engine.mask_out(preds[: len(s.block) - j])
-        m = end - j                                            # drafts checked
+    def _check(self, engine: Engine, s: SequenceState, preds: torch.Tensor, m: int, events: list[Event]) -> int:
+        """Keep the drafts of slots j .. j+m-1 that the causal head agrees with (j: the first unverified
+        slot), given the causal logits `preds` [m or m+1, V] that predict slots j .. When all are kept and
+        a row predicts slot j+m, the causal head's own token for it follows. Returns the drafts kept."""
+        j = int(s.resolved.sum())
+        end = j + m
+        preds = raw = engine.mask_out(preds)
         if s.matcher is not None:   # each row masked by the grammar state after the drafts before it
             allowed = torch.stack(s.matcher.masks_along(s.drafts[j:end].tolist())[: len(preds)]).to(preds.device)
             preds = preds.clone()
@@ -363,7 +384,7 @@ class VerifyPolicy(_Blocks):
         preds = engine.hold_stops(s, preds, len(s.generated))   # row i: response position len + i
         probs = None if s.draft_probs is None else s.draft_probs[j:end]
         tokens, kept = verify_drafts(preds[:m], s.drafts[j:end], probs, s.params, s.counts, s.generator)
-        if kept == m and end < len(s.block):                   # every draft kept: the causal head goes on
+        if kept == m and len(preds) > m:                       # every draft kept: the causal head goes on
             t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])  # as `ar` picks
             tokens.append(t)
             s.counts[t] += 1
@@ -388,6 +409,7 @@ class VerifyPolicy(_Blocks):
                 confidence=conf.tolist(), accepted=list(range(j, stop)), rejected=[j + kept] if kept < m else [],
             ))
         engine.emit_final(s, tokens, [s.step] * len(tokens), events, raw[: len(tokens)])
+        return kept
 
 
 POLICIES: dict[str, type] = {"ar": AutoRegressive, "low_confidence": LowConfidence, "verify": VerifyPolicy}

@@ -122,9 +122,10 @@ class SequenceState:
     block_steps: list[int] = field(default_factory=list)
     fixed: int = 0
     finish_reason: str | None = None
-    # verify: drafts for the unresolved slots, their draft distributions (temperature > 0) and the
-    # causal head's logits for the block's first slot (from the forward that committed the prefix)
+    # verify: drafts for the unresolved slots, their draft distributions (temperature > 0), the causal
+    # head's logits for the next block's first slot (when the check that ends a block predicted it), and
+    # the positions in the cache (verified tokens past it, usually one, wait for the next check)
     drafts: torch.Tensor | None = None
-    draft_end: int = 0                         # slots < draft_end hold drafts (or verified tokens)
     draft_probs: torch.Tensor | None = None
     carry: torch.Tensor | None = None
+    cached: int = 0

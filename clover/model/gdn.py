@@ -27,33 +27,39 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def delta_rule_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor | None = None,
+    state: torch.Tensor | None = None, every_step: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: one step at a time. q, k [N,T,H,K]; v [N,T,H,V]; g, beta [N,T,H]; state [N,H,K,V].
 
-    Returns (o [N,T,H,V], final state [N,H,K,V]), both fp32.
+    Returns (o [N,T,H,V], final state [N,H,K,V]), both fp32; with `every_step` (T >= 1), the state
+    after every step [N,T,H,K,V] in place of the final one (`verify` keeps the one of its last kept token).
     """
     n, t_len, h, dk = k.shape
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     s = torch.zeros(n, h, dk, v.shape[-1], device=v.device) if state is None else state.float()
-    outs = []
+    outs, states = [], []
     for t in range(t_len):
         s = s * g[:, t].exp()[..., None, None]                                     # [N,H,K,V]
         pred = torch.einsum("nhkv,nhk->nhv", s, k[:, t])                           # [N,H,V]
         s = s + torch.einsum("nhk,nhv->nhkv", k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
         outs.append(torch.einsum("nhkv,nhk->nhv", s, q[:, t]))
+        if every_step:
+            states.append(s)
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape, dtype=torch.float32)
-    return o, s
+    return o, torch.stack(states, dim=1) if every_step else s
 
 
 def delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor | None = None, chunk_size: int = 32, return_chunk_states: bool = False,
+    every_step: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked delta rule (WY form): intra-chunk work in parallel, a scan over chunks only.
 
     Same inputs and outputs as `delta_rule_recurrent`, plus, when asked, the state before every
-    chunk: chunk_states [N,H,nC,K,V] (chunk_states[:, :, 0] is the initial state).
+    chunk: chunk_states [N,H,nC,K,V] (chunk_states[:, :, 0] is the initial state). `every_step`: the
+    state after every step [N,T,H,K,V] in place of the final one, S_t = exp(G_t) S0 + sum_{s<=t}
+    exp(G_t - G_s) k_s w_s^T (T K V numbers per head: meant for a few steps, a `verify` check).
 
     Within a chunk starting from state S0, with cumulative log decay G_t = g_1 + ... + g_t, the
     written rows w_s solve (I + A) W = beta * (V - exp(G) K S0), A_sr = beta_s exp(G_s - G_r) k_s.k_r
@@ -87,14 +93,19 @@ def delta_rule_chunked(
     chunk_decay = cum[..., -1].exp()[..., None, None]                           # [N,H,nC,1,1]
 
     s = torch.zeros(n, h, dk, dv, device=q.device) if state is None else state.float()
-    outs, states = [], []
+    outs, states, steps = [], [], []
     for i in range(n_chunks):
         states.append(s)
         w = w_v[:, :, i] - w_k[:, :, i] @ s                                     # [N,H,C,V]
         outs.append(q_decayed[:, :, i] @ s + attn[:, :, i] @ w)
+        if every_step:                                                          # [N,H,C,K,V]
+            steps.append(cum[:, :, i].exp()[..., None, None] * s[:, :, None]
+                         + torch.einsum("nhts,nhsk,nhsv->nhtkv", decay_ts[:, :, i], k[:, :, i], w))
         s = chunk_decay[:, :, i] * s + k_to_end[:, :, i].transpose(-1, -2) @ w
     o = torch.stack(outs, dim=2).reshape(n, h, -1, dv)[:, :, :t_len].transpose(1, 2)
     chunk_states = torch.stack(states, dim=2) if return_chunk_states else None
+    if every_step:
+        return o, torch.cat(steps, dim=2)[:, :, :t_len].transpose(1, 2), chunk_states
     return o, s, chunk_states
 
 

@@ -137,6 +137,17 @@ class GDNCausalOut:
     ring: torch.Tensor                # [N,W-1,Q] after the valid rows
     u: torch.Tensor                   # [N,T,Q] pre-conv rows (the training forward builds rings from them)
     chunk_states: torch.Tensor | None  # [N,H,nC,K,V] state before every chunk
+    step_states: torch.Tensor | None = None  # [N,T,H,K,V] state after every row (`every_step`)
+
+
+@dataclass
+class CheckTrail:
+    """What a `check` leaves for `keep`: the cache rows it ran on and, per layer (None for attention
+    layers), the GDN state after every input row [N,T,H,K,V] and the rows' pre-conv `u` [N,T,Q]."""
+
+    rows: torch.Tensor | slice | None
+    states: list[torch.Tensor | None]
+    u: list[torch.Tensor | None]
 
 
 class GatedDeltaNet(nn.Module):
@@ -179,9 +190,10 @@ class GatedDeltaNet(nn.Module):
 
     def causal(
         self, x: torch.Tensor, state: torch.Tensor | None, ring: torch.Tensor, lengths: torch.Tensor,
-        chunk_size: int, return_chunk_states: bool = False,
+        chunk_size: int, return_chunk_states: bool = False, every_step: bool = False,
     ) -> GDNCausalOut:
-        """x [N,T,D] from `state` / `ring`; rows t >= lengths[n] leave the state and ring untouched."""
+        """x [N,T,D] from `state` / `ring`; rows t >= lengths[n] leave the state and ring untouched.
+        `every_step`: also the state after every row (step by step: for a few rows, a `verify` check)."""
         u = self.in_proj_qkv(x)                                                  # [N,T,Q]
         c = F.silu(causal_conv(u, ring, self.conv1d.weight.squeeze(1)))
         q, k, v = self._heads(c)
@@ -190,12 +202,16 @@ class GatedDeltaNet(nn.Module):
         live = valid_mask(lengths, x.shape[1])[..., None].float()               # [N,T,1]
         beta = torch.sigmoid(self.in_proj_b(x).float()) * live
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float()) * live
-        if self.use_recurrent_reference or x.shape[1] == 1:  # one step: the recurrence is the cheapest form
-            o, new_state = delta_rule_recurrent(q, k, v, g, beta, state)
-            chunk_states = None
+        chunk_states = None
+        if self.use_recurrent_reference or x.shape[1] == 1 or (every_step and torch.compiler.is_compiling()):
+            o, new_state = delta_rule_recurrent(q, k, v, g, beta, state, every_step)
         else:
-            o, new_state, chunk_states = delta_rule_chunked(q, k, v, g, beta, state, chunk_size, return_chunk_states)
-        return GDNCausalOut(self._output(o, x), new_state, next_ring(ring, u, lengths), u, chunk_states)
+            o, new_state, chunk_states = delta_rule_chunked(q, k, v, g, beta, state, chunk_size, return_chunk_states,
+                                                            every_step)
+        steps = None
+        if every_step:   # (rows past a row's length leave the state as it was: the last is the final one)
+            steps, new_state = new_state, new_state[:, -1]
+        return GDNCausalOut(self._output(o, x), new_state, next_ring(ring, u, lengths), u, chunk_states, steps)
 
     def preview(self, x: torch.Tensor, state: torch.Tensor, ring: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One block x [N,S,D] over `state` [N,H,K,V] / `ring` [N,W-1,Q]; lengths [N] valid positions."""
@@ -402,12 +418,13 @@ class CloverForCausalLM(nn.Module):
     # -- causal mode: prefill and commit -------------------------------------------------------------
     def causal(
         self, input_ids: torch.Tensor, cache: PrefixCache | None = None, lengths: torch.Tensor | None = None,
-        logits: str = "all", rows: torch.Tensor | list[int] | slice | None = None, write: bool = True,
+        logits: str = "all", rows: torch.Tensor | list[int] | slice | None = None, write: bool | str = True,
         gdn_trace: dict[int, GDNCausalOut] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """Run input_ids [N,T] causally after the cache (if any) and append them to it (`write` False:
-        read the cache only, leaving it as it was). `gdn_trace`, when given, receives each GDN layer's
-        output with its state before every block-sized chunk (a prefix cache snapshots them).
+        read the cache only, leaving it as it was; "kv": what `check` does, K/V written past the lengths,
+        the rest left as it was). `gdn_trace`, when given, receives each GDN layer's output with its
+        state before every block-sized chunk (a prefix cache snapshots them), or, under "kv", after every row.
 
         `logits`: "all" -> [N,T,V]; "last" -> [N,V] at each row's last valid position; "none" -> None
         (a commit needs no logits); "train" -> (final hidden states [N,T,D], router aux loss). `rows`: the cache rows the N input rows belong to (default: all,
@@ -423,15 +440,16 @@ class CloverForCausalLM(nn.Module):
         else:
             past = torch.zeros(n, dtype=torch.long, device=input_ids.device)
         lengths = self._lengths(input_ids, lengths, past)
-        if ("step" in self._compiled and t == 1 and write and cache is not None and logits in ("last", "all")
+        if ("step" in self._compiled and t == 1 and write is True and cache is not None and logits in ("last", "all")
                 and not isinstance(rows, torch.Tensor) and bool((lengths == 1).all())):
             cache.reserve(int(past.max()) + 1, self.config.max_position_embeddings)
-            out = self._call_compiled("step", cache, rows, input_ids, past)
+            out = self._call_compiled("step", cache, rows, input_ids, past, lengths, False)
             if out is not None:
                 cache.advance(rows, lengths)
-                return out if logits == "last" else out[:, None]
+                return out[:, 0] if logits == "last" else out
         p = int(past.max()) if cache is not None else 0
-        write = write and cache is not None
+        kv_only = write == "kv"
+        write = bool(write) and cache is not None
         if write:   # room for the padded input too: attention reads the new keys from the buffer
             cache.reserve(max(int((past + lengths).max()), p + t), self.config.max_position_embeddings)
         steps = torch.arange(t, device=input_ids.device)
@@ -454,15 +472,16 @@ class CloverForCausalLM(nn.Module):
                                                                              self.config.linear_conv_dim)
                 state, ring = None, zero_ring
             res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size,
-                                           return_chunk_states=gdn_trace is not None)
+                                           return_chunk_states=gdn_trace is not None and not kv_only,
+                                           every_step=kv_only)
             if gdn_trace is not None:
                 gdn_trace[i] = res
-            if write:
+            if write and not kv_only:
                 cache.set_gdn(i, rows, res.state, res.ring)
             return res.out
 
         h, router_logits = self._run(input_ids, past[:, None] + steps[None, :], mixer)
-        if write:
+        if write and not kv_only:
             cache.advance(rows, lengths)
         if logits == "train":
             valid = (steps[None, :] < lengths[:, None]).reshape(-1)
@@ -483,8 +502,8 @@ class CloverForCausalLM(nn.Module):
         """Run the decoding passes through `torch.compile` (inductor, weights frozen as constants, C++
         wrapper) over views of the sequences' cache rows, with no host synchronisation inside: the
         one-token cache-writing `causal` call (the `ar` step), `preview`, and `causal_and_preview` (block
-        commits fused with a preview, `verify`'s checks; at most a block of clean tokens, so not
-        prefills), each where its rows are all or a slice and no `gdn_trace` is asked for. On 2 CPU
+        commits fused with a preview; at most a block of clean tokens, so not prefills) and `check`
+        (`verify`'s causal check of a few drafts), each where its rows are all or a slice and no `gdn_trace` is asked for. On 2 CPU
         cores the `ar` step takes about half the time (benchmarks/forward.py --compile). Each new shape
         class compiles once (tens of seconds to minutes on 2 cores; inductor keeps the result on disk for
         the next process). The weights must not change afterwards. `enabled` False returns to eager
@@ -497,7 +516,8 @@ class CloverForCausalLM(nn.Module):
             return
         options = {"freezing": True, "cpp_wrapper": True}
         self._compiled = {name: torch.compile(fn, dynamic=True, options=options) for name, fn in
-                          (("step", self._one_token), ("preview", self._preview_views), ("fused", self._fused_views))}
+                          (("step", self._steps), ("check", self._check_views), ("preview", self._preview_views),
+                           ("fused", self._fused_views))}
         if warmup:
             with torch.inference_mode():
                 for n in (1, 2):
@@ -531,36 +551,93 @@ class CloverForCausalLM(nn.Module):
         self._compiled_ran.add(name)
         return out
 
-    def _one_token(self, ids: torch.Tensor, past: torch.Tensor, keys: list, values: list, states: list,
-                   rings: list) -> torch.Tensor:
-        """The causal step of ids [n,1] at positions past [n] over per-layer cache views of their rows,
-        without host synchronisation (what `compile_decode` compiles): K/V are written at `past` and
-        attention reads the whole buffer with positions > past masked; the GDN state and conv ring are
-        updated in place. The cache lengths are the caller's to advance. Returns logits [n,V]."""
-        n = ids.shape[0]
-        ones = torch.ones_like(past)
+    def _steps(self, ids: torch.Tensor, past: torch.Tensor, lengths: torch.Tensor, every_step: bool, keys: list,
+               values: list, states: list, rings: list) -> torch.Tensor | tuple[torch.Tensor, list, list]:
+        """ids [n,T] run causally at positions past .. past+T-1 over per-layer cache views of their rows,
+        without host synchronisation (what `compile_decode` compiles): K/V are written at those positions
+        and attention reads the whole buffer with the positions after each row masked. The `ar` step (T = 1,
+        `every_step` False) updates the GDN states and conv rings in place and returns logits [n,1,V]; a
+        `verify` check (`every_step`) leaves them and returns (logits [n,T,V], per layer the state after
+        every row, per layer the rows' pre-conv `u`) for `keep`. The cache lengths are the caller's."""
+        n, t = ids.shape
+        at_steps = past[:, None] + torch.arange(t, device=ids.device)[None, :]          # [n,T]
         mask = None
         for k in keys:
             if k is not None:
-                mask = (torch.arange(k.shape[2], device=ids.device)[None, :] <= past[:, None])[:, None, None, :]
+                mask = (torch.arange(k.shape[2], device=ids.device)[None, None, :] <= at_steps[:, :, None])[:, None]
                 break
+        trail_states: list = [None] * len(states)
+        trail_u: list = [None] * len(states)
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             if layer.is_attention:
                 def join(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                    at = past[:, None, None, None].expand(n, k.shape[1], 1, k.shape[3])
+                    at = at_steps[:, None, :, None].expand(n, k.shape[1], t, k.shape[3])
                     keys[i].scatter_(2, at, k.to(keys[i].dtype))
                     values[i].scatter_(2, at, v.to(values[i].dtype))
                     return keys[i], values[i]
 
                 return layer.self_attn(x, *rope, mask, join=join)[0]
-            res = layer.linear_attn.causal(x, states[i], rings[i], ones, self.config.block_size)
-            states[i].copy_(res.state)
-            rings[i].copy_(res.ring.to(rings[i].dtype))
+            res = layer.linear_attn.causal(x, states[i], rings[i], lengths, self.config.block_size,
+                                           every_step=every_step)
+            if every_step:
+                trail_states[i], trail_u[i] = res.step_states, res.u
+            else:
+                states[i].copy_(res.state)
+                rings[i].copy_(res.ring.to(rings[i].dtype))
             return res.out
 
-        h, _ = self._run(ids, past[:, None], mixer)
-        return self.lm_head(h[:, 0])
+        h, _ = self._run(ids, at_steps, mixer)
+        logits = self.lm_head(h)
+        return (logits, trail_states, trail_u) if every_step else logits
+
+    def _check_views(self, *args: object) -> tuple[torch.Tensor, list, list]:
+        return self._steps(*args)   # its own function: compiled shapes are counted per function
+
+    # -- verify's causal check: run drafts, keep the verified rows -----------------------------------
+    def check(
+        self, input_ids: torch.Tensor, cache: PrefixCache, lengths: torch.Tensor | None = None,
+        rows: torch.Tensor | list[int] | slice | None = None,
+    ) -> tuple[torch.Tensor, CheckTrail]:
+        """`verify`'s causal pass (spec section 5b): logits [N,T,V] of input_ids [N,T] (at most a block) run
+        causally after each row's cached prefix: row t predicts the token after it. The rows' K/V are
+        written past each cache row's length, where nothing reads them, and its GDN state, conv ring and
+        length stay as they were: `keep` then takes the first rows of each input into the cache (those
+        the causal head verified), so no state of a rejected draft is ever committed."""
+        self._check_ids(input_ids, "input_ids")
+        n, t = input_ids.shape
+        if t > self.config.block_size:
+            raise ValueError(f"a check runs at most a block ({self.config.block_size} tokens), got {t}")
+        rows = self._cache_rows(cache, n, rows)
+        past = cache.past(rows)
+        lengths = self._lengths(input_ids, lengths, past)
+        cache.reserve(int(past.max()) + t, self.config.max_position_embeddings)
+        if "check" in self._compiled and not isinstance(rows, torch.Tensor):
+            out = self._call_compiled("check", cache, rows, input_ids, past, lengths, True)
+            if out is not None:
+                logits, states, u = out
+                return logits, CheckTrail(rows, states, u)
+        trace: dict[int, GDNCausalOut] = {}
+        logits = self.causal(input_ids, cache, lengths=lengths, logits="all", rows=rows, write="kv", gdn_trace=trace)
+        states = [trace[i].step_states if i in trace else None for i in range(len(cache.states))]
+        return logits, CheckTrail(rows, states, [trace[i].u if i in trace else None for i in range(len(cache.states))])
+
+    def keep(self, cache: PrefixCache, trail: CheckTrail, counts: torch.Tensor | list[int]) -> None:
+        """Commit the first counts[n] rows of the last `check` input of each row (0 keeps none): the
+        lengths advance by them, each GDN state becomes the one after the last kept row and each conv
+        ring holds the last W-1 rows before it. The K/V of the kept rows are already in place."""
+        counts = torch.as_tensor(counts, dtype=torch.long, device=cache.lengths.device)
+        for i, steps in enumerate(trail.states):
+            if steps is None:
+                continue
+            state, ring = cache.gdn(i, trail.rows)
+            n, t = steps.shape[:2]
+            if counts.shape != (n,) or int(counts.min()) < 0 or int(counts.max()) > t:
+                raise ValueError(f"counts must be {n} integers in [0, {t}], got {counts.tolist()}")
+            after = steps[torch.arange(n, device=steps.device), (counts - 1).clamp(min=0)]
+            after = torch.where((counts > 0)[:, None, None, None], after, state)
+            cache.set_gdn(i, trail.rows, after, next_ring(ring, trail.u[i], counts))
+        cache.advance(trail.rows, counts)
 
     # -- preview mode: one denoising step over the current block -------------------------------------
     def preview(
@@ -607,18 +684,14 @@ class CloverForCausalLM(nn.Module):
     def causal_and_preview(
         self, clean_ids: torch.Tensor, block_ids: torch.Tensor, cache: PrefixCache,
         clean_lengths: torch.Tensor | None = None, block_lengths: torch.Tensor | None = None,
-        rows: torch.Tensor | list[int] | None = None, commit: bool = True, clean_logits: str = "last",
+        rows: torch.Tensor | list[int] | None = None, clean_logits: str = "last",
         gdn_trace: dict[int, GDNCausalOut] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One forward that does what `causal` and `preview` do apart (spec section 3: a fusion is
-        allowed only where its results equal the separate passes; tests compare them).
-
-        commit=True: clean_ids [N,Tc] are appended to the cache (a block commit, or a prefill) and the
-        block [N,S] is previewed right after them, over the cache they leave; this is the commit of one
-        block and the first denoising step of the next.
-        commit=False: clean_ids run causally over the cache without writing it, and the block is
-        previewed at the same positions (`verify`: the causal head checks drafts while the preview drafts).
-        Returns (clean logits per `clean_logits` "all" / "last" / "none", block logits [N,S,V]).
+        allowed only where its results equal the separate passes; tests compare them): clean_ids [N,Tc]
+        are appended to the cache (a block commit, or a prefill) and the block [N,S] is previewed right
+        after them, over the cache they leave; this is the commit of one block and the first denoising
+        step of the next. Returns (clean logits per `clean_logits` "all" / "last" / "none", block logits [N,S,V]).
         `gdn_trace` as in `causal`, for the clean stream.
         """
         if clean_logits not in ("all", "last", "none"):
@@ -629,51 +702,45 @@ class CloverForCausalLM(nn.Module):
         rows = self._cache_rows(cache, n, rows)
         past = cache.past(rows)
         clean_lengths = self._lengths(clean_ids, clean_lengths, past)
-        block_start = past + clean_lengths if commit else past
-        block_lengths = self._lengths(block_ids, block_lengths, block_start)
+        block_lengths = self._lengths(block_ids, block_lengths, past + clean_lengths)
         p = int(past.max())
-        # compiled for a block's commit or check, not for a prefill: the chunked scan's chunk count is a
+        # compiled for a block's commit, not for a prefill: the chunked scan's chunk count is a
         # Python loop bound, so every prompt length would compile its own graph
         if ("fused" in self._compiled and tc <= self.config.block_size and not isinstance(rows, torch.Tensor)
                 and gdn_trace is None):
-            if commit:   # every clean step is written, padded ones past their row's new length
-                cache.reserve(p + tc, self.config.max_position_embeddings)
+            cache.reserve(p + tc, self.config.max_position_embeddings)   # padded clean steps are written too
             out = self._call_compiled("fused", cache, rows, clean_ids, block_ids, past, clean_lengths, block_lengths,
-                                      p, commit, clean_logits)
+                                      p, clean_logits)
             if out is not None:
-                if commit:
-                    cache.advance(rows, clean_lengths)
+                cache.advance(rows, clean_lengths)
                 return out
-        if commit:
-            cache.reserve(int((past + clean_lengths).max()), self.config.max_position_embeddings)
-        out = self._fused_body(clean_ids, block_ids, past, clean_lengths, block_lengths, p, commit, clean_logits,
+        cache.reserve(int((past + clean_lengths).max()), self.config.max_position_embeddings)
+        out = self._fused_body(clean_ids, block_ids, past, clean_lengths, block_lengths, p, clean_logits,
                                _CacheRows(cache, rows), gdn_trace)
-        if commit:
-            cache.advance(rows, clean_lengths)
+        cache.advance(rows, clean_lengths)
         return out
 
     def _fused_views(self, clean_ids: torch.Tensor, block_ids: torch.Tensor, past: torch.Tensor,
-                     clean_lengths: torch.Tensor, block_lengths: torch.Tensor, p: int, commit: bool, clean_logits: str,
+                     clean_lengths: torch.Tensor, block_lengths: torch.Tensor, p: int, clean_logits: str,
                      keys: list, values: list, states: list, rings: list) -> tuple[torch.Tensor | None, torch.Tensor]:
-        return self._fused_body(clean_ids, block_ids, past, clean_lengths, block_lengths, p, commit, clean_logits,
+        return self._fused_body(clean_ids, block_ids, past, clean_lengths, block_lengths, p, clean_logits,
                                 _RowViews(keys, values, states, rings, past), None)
 
     def _fused_body(self, clean_ids: torch.Tensor, block_ids: torch.Tensor, past: torch.Tensor,
-                    clean_lengths: torch.Tensor, block_lengths: torch.Tensor, p: int, commit: bool, clean_logits: str,
+                    clean_lengths: torch.Tensor, block_lengths: torch.Tensor, p: int, clean_logits: str,
                     rows: _CacheRows | _RowViews, gdn_trace: dict[int, GDNCausalOut] | None
                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         (n, tc), s = clean_ids.shape, block_ids.shape[1]
-        block_start = past + clean_lengths if commit else past
+        block_start = past + clean_lengths
         dev = clean_ids.device
         tc_steps, s_steps = torch.arange(tc, device=dev), torch.arange(s, device=dev)
         # keys: [cached prefix P | clean Tc | block S]; clean rows causal, block rows bidirectional inside
-        # the block and, when committing, over the valid clean rows too
+        # the block and over the valid clean rows too
         clean_rows = torch.cat([
             self._prefix_mask(past, p, tc),
             (tc_steps[None, :] <= tc_steps[:, None])[None, None].expand(n, 1, tc, tc),
             torch.zeros(n, 1, tc, s, dtype=torch.bool, device=dev)], dim=-1)
-        sees_clean = (tc_steps[None, :] < clean_lengths[:, None]) if commit else torch.zeros(n, tc, dtype=torch.bool,
-                                                                                              device=dev)
+        sees_clean = tc_steps[None, :] < clean_lengths[:, None]
         inside = (s_steps[None, :] < block_lengths[:, None])[:, None, None, :].expand(n, 1, s, s)
         inside = inside | torch.eye(s, dtype=torch.bool, device=dev)
         block_rows = torch.cat([self._prefix_mask(past, p, s), sees_clean[:, None, None, :].expand(n, 1, s, tc),
@@ -684,8 +751,7 @@ class CloverForCausalLM(nn.Module):
             if layer.is_attention:
                 pk, pv = rows.kv(i, p) if p > 0 else (None, None)
                 out, k, v = layer.self_attn(x, *rope, mask, pk, pv)
-                if commit:
-                    rows.write_kv(i, k[:, :, :tc], v[:, :, :tc], clean_lengths)
+                rows.write_kv(i, k[:, :, :tc], v[:, :, :tc], clean_lengths)
                 return out
             gdn = layer.linear_attn
             state, ring = rows.gdn(i)
@@ -693,10 +759,8 @@ class CloverForCausalLM(nn.Module):
                                return_chunk_states=gdn_trace is not None)
             if gdn_trace is not None:
                 gdn_trace[i] = clean
-            if commit:
-                rows.set_gdn(i, clean.state, clean.ring)
-                state, ring = clean.state, clean.ring
-            return torch.cat([clean.out, gdn.preview(x[:, tc:], state, ring, block_lengths)], dim=1)
+            rows.set_gdn(i, clean.state, clean.ring)
+            return torch.cat([clean.out, gdn.preview(x[:, tc:], clean.state, clean.ring, block_lengths)], dim=1)
 
         positions = torch.cat([past[:, None] + tc_steps[None, :], block_start[:, None] + s_steps[None, :]], dim=1)
         h, _ = self._run(torch.cat([clean_ids, block_ids], dim=1), positions, mixer)
