@@ -44,17 +44,26 @@ def _prompts(vocab: int = 500, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-@pytest.mark.parametrize("window", [1, 3, 8, 32])
-def test_greedy_verify_equals_ar_token_for_token(model, window):
+@pytest.mark.parametrize(("window", "cost_ratio"), [(1, 0), (3, 0), (8, 0), (32, 0), (8, None), (8, 1.6), (8, 1e9)])
+def test_greedy_verify_equals_ar_token_for_token(model, window, cost_ratio):
+    """Every check window; drafts always checked (cost ratio 0), never (an `ar` step each time), and
+    checked where the running estimate of kept drafts says it pays (measured or fixed ratio)."""
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     ar = Engine(model).generate(_prompts(), params.with_(algorithm="ar"))
-    engine = Engine(model, policies={"verify": VerifyPolicy(window=window)})
+    engine = Engine(model, policies={"verify": VerifyPolicy(window=window, cost_ratio=cost_ratio)})
     ve = engine.generate(_prompts(), params.with_(algorithm="verify"))
     assert [v.token_ids for v in ve] == [a.token_ids for a in ar]
     for v in ve:
         s = v.stats
         assert s.check_forwards >= 1 and s.nfe == s.preview_forwards + s.commit_forwards + s.check_forwards
         assert s.drafts_accepted <= s.drafts_proposed
+    proposed = sum(v.stats.drafts_proposed for v in ve)
+    if cost_ratio == 0:
+        assert all(v.stats.drafts_proposed >= v.stats.check_forwards for v in ve)   # every forward checked drafts
+    if cost_ratio == 1e9:
+        assert proposed == 0
+    if cost_ratio == 1.6:   # some sequences' drafts were worth checking and some forwards were steps
+        assert 0 < proposed < sum(v.stats.check_forwards for v in ve) * window
 
 
 @pytest.mark.slow
@@ -66,7 +75,8 @@ def test_compiled_verify_and_ar_equal_eager_ar(model):
     want = [r.token_ids for r in Engine(model).generate(_prompts(), params.with_(algorithm="ar"))]
     fast = copy.deepcopy(model)
     fast.compile_decode()
-    for algorithm, policy in (("ar", None), ("verify", VerifyPolicy()), ("verify", VerifyPolicy(window=3))):
+    for algorithm, policy in (("ar", None), ("verify", VerifyPolicy(cost_ratio=0)),
+                              ("verify", VerifyPolicy(window=3, cost_ratio=1.5))):
         engine = Engine(fast, max_batch_size=3, policies=None if policy is None else {"verify": policy})
         got = engine.generate(_prompts(), params.with_(algorithm=algorithm))
         assert [r.token_ids for r in got] == want, (algorithm, policy)
@@ -96,7 +106,8 @@ def test_stop_token_and_stop_string_inside_a_draft_end_where_ar_ends():
     stop_text = tok.decode(ar.token_ids)[40:44]
     for params in (base.with_(stop_token_ids=(stop_id,)), base.with_(stop=(stop_text,))):
         a = Engine(m, tokenizer=tok).generate([prompt], params.with_(algorithm="ar"))[0]
-        v = Engine(m, tokenizer=tok).generate([prompt], params.with_(algorithm="verify"))[0]
+        v = Engine(m, tokenizer=tok, policies={"verify": VerifyPolicy(cost_ratio=0)}).generate(
+            [prompt], params.with_(algorithm="verify"))[0]
         assert (v.token_ids, v.text, v.finish_reason) == (a.token_ids, a.text, "stop")
 
 
@@ -107,7 +118,7 @@ def test_shipped_model_verify_equals_ar_and_keeps_drafts():
     prompts = [tok.encode(t) for t in texts]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     ar = Engine(m).generate(prompts, params.with_(algorithm="ar"))
-    ve = Engine(m).generate(prompts, params.with_(algorithm="verify"))
+    ve = Engine(m, policies={"verify": VerifyPolicy(cost_ratio=0)}).generate(prompts, params.with_(algorithm="verify"))
     assert [v.token_ids for v in ve] == [a.token_ids for a in ar]
     assert sum(v.stats.drafts_accepted for v in ve) > 0  # the test exercises kept drafts, not only corrections
 
@@ -117,7 +128,7 @@ class PoisonedVerify(VerifyPolicy):
     check keeps the right ones, replaces the poisoned one, and must never let it into the cache."""
 
     def __init__(self, truth: list[int], prompt_len: int, vocab: int) -> None:
-        super().__init__()
+        super().__init__(cost_ratio=0)
         self.truth, self.prompt_len, self.vocab = truth, prompt_len, vocab
 
     def _draft(self, engine, s, logits):
@@ -134,7 +145,7 @@ class TruthfulVerify(VerifyPolicy):
     the causal head's next token, past what the preview drafted."""
 
     def __init__(self, truth: list[int], prompt_len: int, window: int) -> None:
-        super().__init__(window=window)
+        super().__init__(window=window, cost_ratio=0)
         self.truth, self.prompt_len = truth, prompt_len
 
     def _draft(self, engine, s, logits):
@@ -239,7 +250,7 @@ def test_sampled_verify_follows_the_ar_distribution():
     crit = {k: k + 3.1 * math.sqrt(2 * k) + 6 for k in range(1, usable + 1)}  # about the 0.001 tail
     # the default window; and a window of one draft, where a kept draft is followed by the causal
     # head's own sampled token
-    for policy in (None, {"verify": VerifyPolicy(window=1)}):
+    for policy in ({"verify": VerifyPolicy(cost_ratio=0)}, {"verify": VerifyPolicy(window=1, cost_ratio=0)}):
         ve = run("verify", temp, policy)
         assert sum(r.stats.drafts_accepted for r in ve) > n // 10   # both branches of the acceptance rule run
         assert sum(r.stats.drafts_proposed - r.stats.drafts_accepted for r in ve) > n // 10
@@ -312,3 +323,29 @@ def test_fused_commit_and_preview_equal_the_separate_passes(model):
                 for r in range(3):
                     n = int(sep.lengths[r])
                     torch.testing.assert_close(fus.keys[layer][r, :, :n], k[r, :, :n], atol=1e-5, rtol=0)
+
+
+def test_drafts_are_checked_only_where_the_expected_tokens_pay_for_the_check():
+    """1 + p + ... + p^window expected tokens per check against the check / step cost ratio; measured
+    ratios come from the fastest recent forwards of each kind, each kind tried twice first."""
+    from collections import deque
+
+    from clover.engine.sequence import SequenceState
+
+    s = SequenceState("r", [1], SamplingParams(), 8, torch.Generator(), torch.zeros(4), 0.0)
+    fixed = VerifyPolicy(window=4, cost_ratio=1.7)
+    s.draft_hit = 0.5                              # 1 + 0.5 + 0.25 + 0.125 + 0.0625 = 1.94 tokens
+    assert fixed._worth_checking(s, 1)
+    s.draft_hit = 0.3                              # 1.42 tokens
+    assert not fixed._worth_checking(s, 1)
+    measured = VerifyPolicy(window=4)
+    order = []
+    for took in (60.0, 0.012, 0.010, 0.011):       # the first check compiled its pass
+        kind = "check" if measured._worth_checking(s, 1) else "step"
+        order.append(kind)
+        measured.seconds.setdefault((kind, 1), deque(maxlen=8)).append(took)
+    assert order == ["check", "check", "step", "step"]
+    assert measured._worth_checking(s, 1)          # ratio 0.012 / 0.010 = 1.2 < 1.42 tokens
+    measured.seconds["step", 1].extend([0.006, 0.007])
+    assert not measured._worth_checking(s, 1)      # ratio 2.0
+    assert measured._worth_checking(s, 2)          # another batch size is measured on its own

@@ -18,13 +18,17 @@ is one new class added to `POLICIES`.
   that write the cache only for the tokens they verify (`model.check` / `model.keep`): drafts are kept
   while they equal the `ar` decoder's choice, and the first disagreement is replaced by that choice,
   so every check yields at least one token and the output is `ar`'s (speculative sampling at
-  temperature > 0). Nothing of a rejected draft reaches the cache.
+  temperature > 0). Nothing of a rejected draft reaches the cache. Drafts are checked only where the
+  tokens a check is expected to keep pay for its cost over an `ar` step; elsewhere the forward is one.
 
 Dimension letters: S block slots, V vocabulary.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -260,16 +264,48 @@ class VerifyPolicy(_Blocks):
     disagreement is replaced by that choice (speculative sampling at temperature > 0), and when all are
     kept the causal head adds the next token itself, so every check yields at least one token and the
     output is `ar`'s. `model.keep` then commits the verified rows of the check to the cache (the
-    K/V already written, the GDN state of the last kept row), never a rejected draft's. A check thus
-    costs about an `ar` step plus its few drafts; the block is not re-previewed between checks (on
-    clover-tiny a preview before every check kept more drafts but cost more than they saved:
-    benchmarks/decode.py history in the README).
+    K/V already written, the GDN state of the last kept row), never a rejected draft's. The block is
+    not re-previewed between checks (on clover-tiny a preview before every check kept more drafts but
+    cost more than they saved: benchmarks/decode.py history in the README).
+
+    Checking pays only when drafts are kept often enough: a check of several tokens costs more than an
+    `ar` step (on 2 CPU cores about 1.7x: the matrix products read every weight either way, more
+    slowly for several rows). So before each check the policy weighs the tokens it expects, 1 + p +
+    p^2 + ... + p^window with p a running estimate of how often this sequence's drafts are kept, against
+    `cost_ratio`, the time of a check over that of a step; when checking does not pay, the forward is
+    an `ar` step (no drafts), whose pick still says whether the draft would have been kept. The output
+    is `ar`'s either way. `cost_ratio` None: measured as decoding goes (per batch size, the fastest of
+    the last 8 forwards of each kind, each kind tried twice first: a first call may include compiling
+    it); a number fixes it (0 always checks).
     """
 
-    def __init__(self, window: int = 8) -> None:
+    _RATE = 0.25   # weight of each new observation in the running estimate of kept drafts
+
+    def __init__(self, window: int = 8, cost_ratio: float | None = None) -> None:
         if window < 1:
             raise ValueError(f"window must be a positive number of drafts, got {window}")
-        self.window = window
+        if cost_ratio is not None and cost_ratio < 0:
+            raise ValueError(f"cost_ratio must be >= 0 or None, got {cost_ratio}")
+        self.window, self.cost_ratio = window, cost_ratio
+        self.seconds: dict[tuple[str, int], deque[float]] = {}   # recent forward times per (kind, batch size)
+
+    def _worth_checking(self, s: SequenceState, n: int) -> bool:
+        """Whether checking the drafts of s (in a batch of n) is expected to give more tokens per second
+        than an `ar` step."""
+        ratio = self.cost_ratio
+        if ratio is None:
+            check, step = self.seconds.get(("check", n), ()), self.seconds.get(("step", n), ())
+            if len(check) < 2 or len(step) < 2:
+                return len(check) < 2         # try each kind twice
+            ratio = min(check) / min(step)
+        p = s.draft_hit
+        return 1 + sum(p ** i for i in range(1, self.window + 1)) > ratio
+
+    def _timed(self, kind: str, n: int, call: Callable[[], object]) -> object:
+        t0 = time.perf_counter()
+        out = call()
+        self.seconds.setdefault((kind, n), deque(maxlen=8)).append(time.perf_counter() - t0)
+        return out
 
     def reusable(self, s: SequenceState) -> int:
         """As for block diffusion, but a prompt that ends on a block boundary keeps its last token to
@@ -282,17 +318,23 @@ class VerifyPolicy(_Blocks):
         for s in seqs:
             j = int(s.resolved.sum())                        # slots < j are verified (a prefix)
             p = s.pos + j - s.cached                         # verified, not yet in the cache (>= 1)
-            m = min(self.window, len(s.block) - j)           # drafts checked
+            m = min(self.window, len(s.block) - j) if self._worth_checking(s, len(seqs)) else 0   # drafts checked
             inputs.append(torch.cat([s.block[j - p: j], s.drafts[j: j + m]]))
             pending.append(p)
             drafted.append(m)
         lengths = [len(x) for x in inputs]
-        # one compiled shape for the usual check (one pending token), one for a prompt tail's
-        usual = min(1 + self.window, engine.config.block_size)
-        width = usual if max(lengths) <= usual else engine.config.block_size
-        ids = engine.pad(inputs, 0)
-        ids = torch.cat([ids, ids.new_zeros(len(seqs), width - ids.shape[1])], dim=1)
-        logits, trail = engine.forward(seqs, "check", ids, lengths)
+        n = len(seqs)
+        if max(lengths) == 1:   # no drafts worth checking: an `ar` step, which commits its token
+            ids = torch.stack(inputs)
+            logits = self._timed("step", n, lambda: engine.forward(seqs, "causal", ids, lengths, logits="all"))
+            trail = None
+        else:
+            # one compiled shape for the usual check (one pending token), one for a prompt tail's
+            usual = min(1 + self.window, engine.config.block_size)
+            width = usual if max(lengths) <= usual else engine.config.block_size
+            ids = engine.pad(inputs, 0)
+            ids = torch.cat([ids, ids.new_zeros(n, width - ids.shape[1])], dim=1)
+            logits, trail = self._timed("check", n, lambda: engine.forward(seqs, "check", ids, lengths))
         counts = [0] * len(seqs)
         for i, s in enumerate(seqs):
             s.stats.check_forwards += 1
@@ -305,12 +347,14 @@ class VerifyPolicy(_Blocks):
                 counts[i] = p + self._check(engine, s, preds, m, events)
             if s.finish_reason is not None:
                 counts[i] = 0                                # its row is freed
-        engine.keep(seqs, trail, counts)
+        if trail is not None:
+            engine.keep(seqs, trail, counts)
         done = []
-        for s, n in zip(seqs, counts, strict=True):
-            s.cached += n
-            if s.finish_reason is None and bool(s.resolved.all()):
-                s.stats.blocks += 1
+        for s, kept in zip(seqs, counts, strict=True):
+            s.cached += kept
+            full = bool(s.resolved.all())
+            s.stats.blocks += int(full or s.finish_reason is not None)
+            if s.finish_reason is None and full:
                 done.append(s)
         if done:
             self.next_block(engine, done, events)
@@ -388,6 +432,10 @@ class VerifyPolicy(_Blocks):
             t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])  # as `ar` picks
             tokens.append(t)
             s.counts[t] += 1
+        # drafts kept, then the one rejected; unchecked, whether the causal head's pick equals the draft
+        seen = [True] * kept + [False] * (kept < m) if m else [tokens[0] == int(s.drafts[j])]
+        for hit in seen:
+            s.draft_hit += self._RATE * (hit - s.draft_hit)
         if s.matcher is not None:
             s.matcher.consume(tokens)
         s.step += 1

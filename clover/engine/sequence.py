@@ -19,7 +19,7 @@ class GenerationStats:
     preview_forwards: int = 0  # previews (a prefill fused with the first preview counts here, once)
     commit_forwards: int = 0   # block commits (a commit fused with the next preview counts here, once);
                                # ar: the causal forwards that produced tokens
-    check_forwards: int = 0    # verify: causal checks of drafts (a check fused with a preview counts once)
+    check_forwards: int = 0    # verify: causal checks of drafts (an `ar` step when none was worth checking)
     prefill_forwards: int = 0  # prompt prefills (no forward of their own when fused with a preview)
     cached_tokens: int = 0     # prompt tokens restored from the prefix cache instead of prefilled
     drafts_proposed: int = 0   # verify: draft tokens checked
@@ -129,3 +129,4 @@ class SequenceState:
     draft_probs: torch.Tensor | None = None
     carry: torch.Tensor | None = None
     cached: int = 0
+    draft_hit: float = 0.5                     # running estimate of how often a draft is kept
