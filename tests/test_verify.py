@@ -349,3 +349,24 @@ def test_drafts_are_checked_only_where_the_expected_tokens_pay_for_the_check():
     measured.seconds["step", 1].extend([0.006, 0.007])
     assert not measured._worth_checking(s, 1)      # ratio 2.0
     assert measured._worth_checking(s, 2)          # another batch size is measured on its own
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_request_block_sizes_other_than_the_models_equal_ar(model, block_size):
+    """One-slot blocks (full before their first check), and blocks longer than the model's (a prompt
+    tail of up to 15 tokens in the first check), for every way of choosing checks."""
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, block_size=block_size)
+    ar = [r.token_ids for r in Engine(model).generate(_prompts(), params.with_(algorithm="ar"))]
+    for ratio in (0, None, 1e9):
+        engine = Engine(model, max_batch_size=3, policies={"verify": VerifyPolicy(cost_ratio=ratio)})
+        got = engine.generate(_prompts(), params.with_(algorithm="verify"))
+        assert [r.token_ids for r in got] == ar and all(r.finish_reason == "length" for r in got), ratio
+
+
+def test_seeded_sampled_verify_gives_the_same_tokens_alone_and_in_a_batch(model):
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=20, temperature=0.8, seed=7 + i, ignore_eos=True, algorithm="verify")
+              for i in range(len(prompts))]
+    batch = Engine(model, max_batch_size=4).generate(prompts, params)
+    for p, sp, got in zip(prompts, params, batch, strict=True):
+        assert Engine(model).generate([p], sp)[0].token_ids == got.token_ids

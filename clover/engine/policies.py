@@ -276,7 +276,9 @@ class VerifyPolicy(_Blocks):
     an `ar` step (no drafts), whose pick still says whether the draft would have been kept. The output
     is `ar`'s either way. `cost_ratio` None: measured as decoding goes (per batch size, the fastest of
     the last 8 forwards of each kind, each kind tried twice first: a first call may include compiling
-    it); a number fixes it (0 always checks).
+    it); a number fixes it (0 always checks). The choice is made for the batch (one forward serves
+    it): when one sequence's drafts are worth checking, every sequence's are checked. Sampled requests
+    (temperature > 0) always check, so that a seed gives the same tokens whatever the timings.
     """
 
     _RATE = 0.25   # weight of each new observation in the running estimate of kept drafts
@@ -292,6 +294,8 @@ class VerifyPolicy(_Blocks):
     def _worth_checking(self, s: SequenceState, n: int) -> bool:
         """Whether checking the drafts of s (in a batch of n) is expected to give more tokens per second
         than an `ar` step."""
+        if not s.params.greedy:
+            return True
         ratio = self.cost_ratio
         if ratio is None:
             check, step = self.seconds.get(("check", n), ()), self.seconds.get(("step", n), ())
@@ -301,10 +305,12 @@ class VerifyPolicy(_Blocks):
         p = s.draft_hit
         return 1 + sum(p ** i for i in range(1, self.window + 1)) > ratio
 
-    def _timed(self, kind: str, n: int, call: Callable[[], object]) -> object:
+    def _timed(self, key: tuple[str, int], device: torch.device, call: Callable[[], object]) -> object:
         t0 = time.perf_counter()
         out = call()
-        self.seconds.setdefault((kind, n), deque(maxlen=8)).append(time.perf_counter() - t0)
+        if device.type == "cuda":   # kernels run asynchronously: time them, not their launch
+            torch.cuda.synchronize(device)
+        self.seconds.setdefault(key, deque(maxlen=8)).append(time.perf_counter() - t0)
         return out
 
     def reusable(self, s: SequenceState) -> int:
@@ -314,27 +320,31 @@ class VerifyPolicy(_Blocks):
         return whole - 1 if whole == len(s.prompt) else whole
 
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        n, dev = len(seqs), engine.model.device
+        check = any(self._worth_checking(s, n) for s in seqs)   # one forward serves the batch
         inputs, pending, drafted = [], [], []
         for s in seqs:
             j = int(s.resolved.sum())                        # slots < j are verified (a prefix)
             p = s.pos + j - s.cached                         # verified, not yet in the cache (>= 1)
-            m = min(self.window, len(s.block) - j) if self._worth_checking(s, len(seqs)) else 0   # drafts checked
+            m = min(self.window, len(s.block) - j) if check else 0   # drafts checked
             inputs.append(torch.cat([s.block[j - p: j], s.drafts[j: j + m]]))
             pending.append(p)
             drafted.append(m)
         lengths = [len(x) for x in inputs]
-        n = len(seqs)
+        usual = 1 + self.window
         if max(lengths) == 1:   # no drafts worth checking: an `ar` step, which commits its token
             ids = torch.stack(inputs)
-            logits = self._timed("step", n, lambda: engine.forward(seqs, "causal", ids, lengths, logits="all"))
+            logits = self._timed(("step", n), dev,
+                                 lambda: engine.forward(seqs, "causal", ids, lengths, logits="all"))
             trail = None
         else:
-            # one compiled shape for the usual check (one pending token), one for a prompt tail's
-            usual = min(1 + self.window, engine.config.block_size)
-            width = usual if max(lengths) <= usual else engine.config.block_size
+            # one compiled shape for the usual check (one pending token), one for a prompt tail's (timed
+            # apart: only the usual one enters the cost ratio)
+            width = usual if max(lengths) <= usual else max(max(lengths), engine.config.block_size)
             ids = engine.pad(inputs, 0)
             ids = torch.cat([ids, ids.new_zeros(n, width - ids.shape[1])], dim=1)
-            logits, trail = self._timed("check", n, lambda: engine.forward(seqs, "check", ids, lengths))
+            key = ("check", n) if width == usual else ("check-tail", n)
+            logits, trail = self._timed(key, dev, lambda: engine.forward(seqs, "check", ids, lengths))
         counts = [0] * len(seqs)
         for i, s in enumerate(seqs):
             s.stats.check_forwards += 1
@@ -342,9 +352,10 @@ class VerifyPolicy(_Blocks):
             with engine.isolated(s, events):
                 preds = logits[i, p - 1: p + m]              # row t predicts the slot after it
                 if int(s.resolved.sum()) + m == len(s.block):
-                    s.carry = preds[m]                       # the next block's first slot
+                    s.carry = preds[m].clone()               # the next block's first slot
                     preds = preds[:m]
-                counts[i] = p + self._check(engine, s, preds, m, events)
+                # (a block of one slot is full before its first check: the forward only commits)
+                counts[i] = p + (self._check(engine, s, preds, m, events) if len(preds) else 0)
             if s.finish_reason is not None:
                 counts[i] = 0                                # its row is freed
         if trail is not None:

@@ -98,14 +98,15 @@ def delta_rule_chunked(
         states.append(s)
         w = w_v[:, :, i] - w_k[:, :, i] @ s                                     # [N,H,C,V]
         outs.append(q_decayed[:, :, i] @ s + attn[:, :, i] @ w)
-        if every_step:                                                          # [N,H,C,K,V]
-            steps.append(cum[:, :, i].exp()[..., None, None] * s[:, :, None]
-                         + torch.einsum("nhts,nhsk,nhsv->nhtkv", decay_ts[:, :, i], k[:, :, i], w))
+        if every_step:                                                          # [N,H,r,K,V]
+            r = min(c, t_len - i * c)                                           # the chunk's unpadded rows
+            steps.append(cum[:, :, i, :r].exp()[..., None, None] * s[:, :, None]
+                         + torch.einsum("nhts,nhsk,nhsv->nhtkv", decay_ts[:, :, i, :r], k[:, :, i], w))
         s = chunk_decay[:, :, i] * s + k_to_end[:, :, i].transpose(-1, -2) @ w
     o = torch.stack(outs, dim=2).reshape(n, h, -1, dv)[:, :, :t_len].transpose(1, 2)
     chunk_states = torch.stack(states, dim=2) if return_chunk_states else None
     if every_step:
-        return o, torch.cat(steps, dim=2)[:, :, :t_len].transpose(1, 2), chunk_states
+        return o, torch.cat(steps, dim=2).transpose(1, 2), chunk_states
     return o, s, chunk_states
 
 

@@ -599,15 +599,13 @@ class CloverForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, cache: PrefixCache, lengths: torch.Tensor | None = None,
         rows: torch.Tensor | list[int] | slice | None = None,
     ) -> tuple[torch.Tensor, CheckTrail]:
-        """`verify`'s causal pass (spec section 5b): logits [N,T,V] of input_ids [N,T] (at most a block) run
+        """`verify`'s causal pass (spec section 5b): logits [N,T,V] of input_ids [N,T] (a few tokens) run
         causally after each row's cached prefix: row t predicts the token after it. The rows' K/V are
         written past each cache row's length, where nothing reads them, and its GDN state, conv ring and
         length stay as they were: `keep` then takes the first rows of each input into the cache (those
         the causal head verified), so no state of a rejected draft is ever committed."""
         self._check_ids(input_ids, "input_ids")
         n, t = input_ids.shape
-        if t > self.config.block_size:
-            raise ValueError(f"a check runs at most a block ({self.config.block_size} tokens), got {t}")
         rows = self._cache_rows(cache, n, rows)
         past = cache.past(rows)
         lengths = self._lengths(input_ids, lengths, past)
