@@ -80,7 +80,8 @@ def test_compiled_verify_and_ar_equal_eager_ar(model):
         engine = Engine(fast, max_batch_size=3, policies=None if policy is None else {"verify": policy})
         got = engine.generate(_prompts(), params.with_(algorithm=algorithm))
         assert [r.token_ids for r in got] == want, (algorithm, policy)
-    assert set(fast._compiled_ran) == {"step", "check", "preview", "fused"}   # it ran compiled, no fallback
+    # it ran compiled, with no fallback (a standalone preview runs only after a check that kept a block's end)
+    assert {"step", "check", "fused"} <= fast._compiled_ran and fast._compiled
 
 
 def test_verify_in_a_batch_mixing_algorithms_equals_verify_alone(model):
