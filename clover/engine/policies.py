@@ -118,9 +118,14 @@ class _Blocks:
             with engine.isolated(s, events):
                 self.after_preview(engine, s, logits[i, : len(s.block)], last[i] if clean[i] else None, events)
 
+    def uncommitted(self, s: SequenceState) -> torch.Tensor:
+        """The tokens of the finished block not yet in the cache: all of them (`verify` commits as it goes)."""
+        return s.block
+
     def commit(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
-        """Commit each finished block fused with the first preview of the sequence's next block."""
-        done = [s.block for s in seqs]
+        """Commit what each finished block has not yet committed, fused with the first preview of the
+        sequence's next block."""
+        done = [self.uncommitted(s) for s in seqs]
         for s in seqs:
             s.pos += len(s.block)
             self.start_block(engine, s)
@@ -388,18 +393,9 @@ class VerifyPolicy(_Blocks):
                 with engine.isolated(s, events):
                     self.after_preview(engine, s, lg[: len(s.block)], s.carry, events)
 
-    def commit(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
-        """Commit the verified tokens of each block not yet in the cache (its last one) fused with the
-        first preview of the sequence's next block."""
-        done = [s.block[s.cached - s.pos:] for s in seqs]
-        for s in seqs:
-            s.pos += len(s.block)
-            self.start_block(engine, s)
-        last, logits = engine.fused(seqs, done, [s.block for s in seqs], clean_logits="last")
-        for i, s in enumerate(seqs):
-            s.stats.commit_forwards += 1
-            with engine.isolated(s, events):
-                self.after_preview(engine, s, logits[i, : len(s.block)], last[i], events)
+    def uncommitted(self, s: SequenceState) -> torch.Tensor:
+        """The verified tokens of the block not yet in the cache (its last one)."""
+        return s.block[s.cached - s.pos:]
 
     def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
                       events: list[Event]) -> None:
