@@ -10,6 +10,7 @@ from clover.model.gdn import (
     block_preview_reference,
     causal_conv,
     delta_rule_chunked,
+    delta_rule_kept,
     delta_rule_recurrent,
     l2norm,
     next_ring,
@@ -58,18 +59,26 @@ def test_chunk_states_are_the_states_at_every_boundary():
         assert_close(states[:, :, i], s_ref, atol=2e-5, what=f"state before chunk {i}")
 
 
-@pytest.mark.parametrize("t", [1, 5, CHUNK + 3])
-def test_every_step_gives_the_state_after_each_step(t):
-    """`verify` keeps the state after its last kept row: both kernels give the state after every step,
-    each equal to the final state of the recurrence run up to that step."""
-    q, k, v, g, beta, s0 = _inputs(2, t, 2, 4, 3)
-    _, rec = delta_rule_recurrent(q, k, v, g, beta, s0, every_step=True)
-    _, chunked, _ = delta_rule_chunked(q, k, v, g, beta, s0, chunk_size=CHUNK, every_step=True)
-    assert rec.shape == chunked.shape == (2, t, 2, 4, 3)
-    for i in range(t):
-        _, s_ref = delta_rule_recurrent(q[:, : i + 1], k[:, : i + 1], v[:, : i + 1], g[:, : i + 1], beta[:, : i + 1], s0)
-        assert torch.equal(rec[:, i], s_ref)
-        assert_close(chunked[:, i], s_ref, atol=2e-5, what=f"state after step {i}")
+@pytest.mark.parametrize("counts", [[0, 1], [2, 3], [5, 4], [0, 0]])
+@pytest.mark.parametrize("kernel", ["recurrent", "chunked"])
+def test_kept_state_is_the_recurrence_run_to_each_rows_count(counts, kernel):
+    """`verify` keeps the state after each row's last verified step: `delta_rule_kept`, from the written
+    rows either kernel returns, equals the recurrence run over exactly those steps."""
+    q, k, v, g, beta, s0 = _inputs(2, 5, 2, 4, 3)
+    if kernel == "recurrent":
+        o, s, w = delta_rule_recurrent(q, k, v, g, beta, s0, return_written=True)
+        o_plain, s_plain = delta_rule_recurrent(q, k, v, g, beta, s0)
+        assert torch.equal(o, o_plain) and torch.equal(s, s_plain)
+    else:
+        *_, w = delta_rule_chunked(q, k, v, g, beta, s0, chunk_size=CHUNK, return_written=True)
+    kept = delta_rule_kept(k, w, g, s0, torch.tensor(counts))
+    assert kept.shape == s0.shape
+    for i, c in enumerate(counts):
+        _, s_ref = delta_rule_recurrent(q[i:i + 1, :c], k[i:i + 1, :c], v[i:i + 1, :c], g[i:i + 1, :c],
+                                        beta[i:i + 1, :c], s0[i:i + 1])
+        assert_close(kept[i:i + 1], s_ref, atol=2e-5, what=f"state after {c} steps")
+        if c == 0 or (c == 1 and kernel == "recurrent"):   # the same operations as the reference
+            assert torch.equal(kept[i:i + 1], s_ref)
 
 
 def test_zero_beta_and_decay_steps_leave_the_state_untouched():

@@ -24,42 +24,47 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 # -- delta rule ------------------------------------------------------------------------------------
 
+# Eager PyTorch on 2 CPU cores: up to this many steps, one step at a time takes less time than one
+# chunk of the same length (per-op overhead; ~170 against ~230 us for 2 steps of clover-tiny's heads).
+RECURRENT_STEPS = 3
+
 
 def delta_rule_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor | None = None, every_step: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    state: torch.Tensor | None = None, return_written: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Reference: one step at a time. q, k [N,T,H,K]; v [N,T,H,V]; g, beta [N,T,H]; state [N,H,K,V].
 
-    Returns (o [N,T,H,V], final state [N,H,K,V]), both fp32; with `every_step` (T >= 1), the state
-    after every step [N,T,H,K,V] in place of the final one (`verify` keeps the one of its last kept token).
+    Returns (o [N,T,H,V], final state [N,H,K,V]), both fp32, and with `return_written` the row each
+    step writes, w_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t) [N,T,H,V] (S_t = exp(g_t) S_{t-1} + k_t w_t^T).
     """
     n, t_len, h, dk = k.shape
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     s = torch.zeros(n, h, dk, v.shape[-1], device=v.device) if state is None else state.float()
-    outs, states = [], []
+    outs, written = [], []
     for t in range(t_len):
         s = s * g[:, t].exp()[..., None, None]                                     # [N,H,K,V]
         pred = torch.einsum("nhkv,nhk->nhv", s, k[:, t])                           # [N,H,V]
-        s = s + torch.einsum("nhk,nhv->nhkv", k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
+        w = beta[:, t, :, None] * (v[:, t] - pred)
+        s = s + torch.einsum("nhk,nhv->nhkv", k[:, t], w)
         outs.append(torch.einsum("nhkv,nhk->nhv", s, q[:, t]))
-        if every_step:
-            states.append(s)
+        written.append(w)
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape, dtype=torch.float32)
-    return o, torch.stack(states, dim=1) if every_step else s
+    if return_written:
+        return o, s, torch.stack(written, dim=1) if written else torch.zeros_like(o)
+    return o, s
 
 
 def delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor | None = None, chunk_size: int = 32, return_chunk_states: bool = False,
-    every_step: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    return_written: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Chunked delta rule (WY form): intra-chunk work in parallel, a scan over chunks only.
 
     Same inputs and outputs as `delta_rule_recurrent`, plus, when asked, the state before every
-    chunk: chunk_states [N,H,nC,K,V] (chunk_states[:, :, 0] is the initial state). `every_step`: the
-    state after every step [N,T,H,K,V] in place of the final one, S_t = exp(G_t) S0 + sum_{s<=t}
-    exp(G_t - G_s) k_s w_s^T (T K V numbers per head: meant for a few steps, a `verify` check).
+    chunk: chunk_states [N,H,nC,K,V] (chunk_states[:, :, 0] is the initial state), and with
+    `return_written` the written rows w [N,T,H,V] last, as `delta_rule_recurrent` gives them.
 
     Within a chunk starting from state S0, with cumulative log decay G_t = g_1 + ... + g_t, the
     written rows w_s solve (I + A) W = beta * (V - exp(G) K S0), A_sr = beta_s exp(G_s - G_r) k_s.k_r
@@ -93,21 +98,36 @@ def delta_rule_chunked(
     chunk_decay = cum[..., -1].exp()[..., None, None]                           # [N,H,nC,1,1]
 
     s = torch.zeros(n, h, dk, dv, device=q.device) if state is None else state.float()
-    outs, states, steps = [], [], []
+    outs, states, written = [], [], []
     for i in range(n_chunks):
         states.append(s)
         w = w_v[:, :, i] - w_k[:, :, i] @ s                                     # [N,H,C,V]
         outs.append(q_decayed[:, :, i] @ s + attn[:, :, i] @ w)
-        if every_step:                                                          # [N,H,r,K,V]
-            r = min(c, t_len - i * c)                                           # the chunk's unpadded rows
-            steps.append(cum[:, :, i, :r].exp()[..., None, None] * s[:, :, None]
-                         + torch.einsum("nhts,nhsk,nhsv->nhtkv", decay_ts[:, :, i, :r], k[:, :, i], w))
+        written.append(w)
         s = chunk_decay[:, :, i] * s + k_to_end[:, :, i].transpose(-1, -2) @ w
     o = torch.stack(outs, dim=2).reshape(n, h, -1, dv)[:, :, :t_len].transpose(1, 2)
     chunk_states = torch.stack(states, dim=2) if return_chunk_states else None
-    if every_step:
-        return o, torch.cat(steps, dim=2).transpose(1, 2), chunk_states
+    if return_written:
+        return o, s, chunk_states, torch.stack(written, dim=2).reshape(n, h, -1, dv)[:, :, :t_len].transpose(1, 2)
     return o, s, chunk_states
+
+
+def delta_rule_kept(
+    k: torch.Tensor, w: torch.Tensor, g: torch.Tensor, state: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """The state [N,H,K,V] after the first counts[n] steps of each row (`verify` keeps the steps the
+    causal head verified), from the steps' keys k [N,T,H,K], written rows w [N,T,H,V] (what both kernels
+    return with `return_written`) and log decays g [N,T,H]: with G_t = g_1 + ... + g_t and c = counts[n],
+    S_c = exp(G_c) S_0 + sum_{s<=c} exp(G_c - G_s) k_s w_s^T. A written row depends only on the steps
+    before it, so those of a check hold for any prefix of it. No step kept: S_0 as it was."""
+    n, t = g.shape[:2]
+    cum = g.float().cumsum(1)                                                   # G_t [N,T,H]
+    last = (counts - 1).clamp(min=0)
+    at_end = torch.where((counts > 0)[:, None], cum[torch.arange(n, device=g.device), last], 0.0)   # G_c [N,H]
+    kept = torch.arange(t, device=g.device)[None, :] < counts[:, None]                            # [N,T]
+    decay = (at_end[:, None] - cum).masked_fill(~kept[..., None], float("-inf")).exp()           # [N,T,H]
+    scaled = (k.float() * decay[..., None]).permute(0, 2, 3, 1)                                  # [N,H,K,T]
+    return at_end.exp()[..., None, None] * state.float() + scaled @ w.float().transpose(1, 2)
 
 
 # -- short convolutions ----------------------------------------------------------------------------

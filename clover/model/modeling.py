@@ -31,9 +31,11 @@ from torch import nn
 from clover.model.cache import PrefixCache
 from clover.model.config import CloverConfig
 from clover.model.gdn import (
+    RECURRENT_STEPS,
     block_preview,
     causal_conv,
     delta_rule_chunked,
+    delta_rule_kept,
     delta_rule_recurrent,
     l2norm,
     next_ring,
@@ -137,16 +139,19 @@ class GDNCausalOut:
     ring: torch.Tensor                # [N,W-1,Q] after the valid rows
     u: torch.Tensor                   # [N,T,Q] pre-conv rows (the training forward builds rings from them)
     chunk_states: torch.Tensor | None  # [N,H,nC,K,V] state before every chunk
-    step_states: torch.Tensor | None = None  # [N,T,H,K,V] state after every row (`every_step`)
+    steps: tuple[torch.Tensor, ...] | None = None  # every row's k, written row w and g (`keep_steps`)
 
 
 @dataclass
 class CheckTrail:
     """What a `check` leaves for `keep`: the cache rows it ran on and, per layer (None for attention
-    layers), the GDN state after every input row [N,T,H,K,V] and the rows' pre-conv `u` [N,T,Q]."""
+    layers), every row's delta-rule key, written row and log decay (k, w [N,T,H,*], g [N,T,H], fp32;
+    `gdn.delta_rule_kept` makes the state after any prefix of them from the cached state, far cheaper
+    than the state after every row, T x H x K x V numbers per layer) and the rows' pre-conv `u` [N,T,Q]."""
 
     rows: torch.Tensor | slice | None
-    states: list[torch.Tensor | None]
+    lengths: torch.Tensor                  # [N] valid input rows
+    steps: list[tuple[torch.Tensor, ...] | None]
     u: list[torch.Tensor | None]
 
 
@@ -190,10 +195,12 @@ class GatedDeltaNet(nn.Module):
 
     def causal(
         self, x: torch.Tensor, state: torch.Tensor | None, ring: torch.Tensor, lengths: torch.Tensor,
-        chunk_size: int, return_chunk_states: bool = False, every_step: bool = False,
+        chunk_size: int, return_chunk_states: bool = False, keep_steps: bool = False,
     ) -> GDNCausalOut:
         """x [N,T,D] from `state` / `ring`; rows t >= lengths[n] leave the state and ring untouched.
-        `every_step`: also the state after every row (step by step: for a few rows, a `verify` check)."""
+        `keep_steps`: also every row's key, written row and decay (a `verify` check, for `keep`). Unless chunk
+        states are asked, up to RECURRENT_STEPS rows run step by step and inputs shorter than a chunk as
+        one chunk of their length (no padding)."""
         u = self.in_proj_qkv(x)                                                  # [N,T,Q]
         c = F.silu(causal_conv(u, ring, self.conv1d.weight.squeeze(1)))
         q, k, v = self._heads(c)
@@ -202,16 +209,16 @@ class GatedDeltaNet(nn.Module):
         live = valid_mask(lengths, x.shape[1])[..., None].float()               # [N,T,1]
         beta = torch.sigmoid(self.in_proj_b(x).float()) * live
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float()) * live
-        chunk_states = None
-        if self.use_recurrent_reference or x.shape[1] == 1 or (every_step and torch.compiler.is_compiling()):
-            o, new_state = delta_rule_recurrent(q, k, v, g, beta, state, every_step)
+        chunk_states, t = None, x.shape[1]
+        if (self.use_recurrent_reference or t == 1 or (t <= RECURRENT_STEPS and not return_chunk_states)
+                or (keep_steps and torch.compiler.is_compiling())):
+            o, new_state, *w = delta_rule_recurrent(q, k, v, g, beta, state, return_written=keep_steps)
         else:
-            o, new_state, chunk_states = delta_rule_chunked(q, k, v, g, beta, state, chunk_size, return_chunk_states,
-                                                            every_step)
-        steps = None
-        if every_step:   # (rows past a row's length leave the state as it was: the last is the final one)
-            steps, new_state = new_state, new_state[:, -1]
-        return GDNCausalOut(self._output(o, x), new_state, next_ring(ring, u, lengths), u, chunk_states, steps)
+            size = chunk_size if return_chunk_states else min(chunk_size, t)
+            o, new_state, chunk_states, *w = delta_rule_chunked(q, k, v, g, beta, state, size, return_chunk_states,
+                                                                return_written=keep_steps)
+        return GDNCausalOut(self._output(o, x), new_state, next_ring(ring, u, lengths), u, chunk_states,
+                            (k, w[0], g) if keep_steps else None)
 
     def preview(self, x: torch.Tensor, state: torch.Tensor, ring: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One block x [N,S,D] over `state` [N,H,K,V] / `ring` [N,W-1,Q]; lengths [N] valid positions."""
@@ -473,7 +480,7 @@ class CloverForCausalLM(nn.Module):
                 state, ring = None, zero_ring
             res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size,
                                            return_chunk_states=gdn_trace is not None and not kv_only,
-                                           every_step=kv_only)
+                                           keep_steps=kv_only)
             if gdn_trace is not None:
                 gdn_trace[i] = res
             if write and not kv_only:
@@ -551,14 +558,14 @@ class CloverForCausalLM(nn.Module):
         self._compiled_ran.add(name)
         return out
 
-    def _steps(self, ids: torch.Tensor, past: torch.Tensor, lengths: torch.Tensor, every_step: bool, keys: list,
+    def _steps(self, ids: torch.Tensor, past: torch.Tensor, lengths: torch.Tensor, check: bool, keys: list,
                values: list, states: list, rings: list) -> torch.Tensor | tuple[torch.Tensor, list, list]:
         """ids [n,T] run causally at positions past .. past+T-1 over per-layer cache views of their rows,
         without host synchronisation (what `compile_decode` compiles): K/V are written at those positions
         and attention reads the whole buffer with the positions after each row masked. The `ar` step (T = 1,
-        `every_step` False) updates the GDN states and conv rings in place and returns logits [n,1,V]; a
-        `verify` check (`every_step`) leaves them and returns (logits [n,T,V], per layer the state after
-        every row, per layer the rows' pre-conv `u`) for `keep`. The cache lengths are the caller's."""
+        `check` False) updates the GDN states and conv rings in place and returns logits [n,1,V]; a
+        `verify` check leaves them and returns (logits [n,T,V], per layer every row's key, written row and
+        decay, per layer the rows' pre-conv `u`) for `keep`. The cache lengths are the caller's."""
         n, t = ids.shape
         at_steps = past[:, None] + torch.arange(t, device=ids.device)[None, :]          # [n,T]
         mask = None
@@ -566,7 +573,7 @@ class CloverForCausalLM(nn.Module):
             if k is not None:
                 mask = (torch.arange(k.shape[2], device=ids.device)[None, None, :] <= at_steps[:, :, None])[:, None]
                 break
-        trail_states: list = [None] * len(states)
+        trail_steps: list = [None] * len(states)
         trail_u: list = [None] * len(states)
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -579,9 +586,9 @@ class CloverForCausalLM(nn.Module):
 
                 return layer.self_attn(x, *rope, mask, join=join)[0]
             res = layer.linear_attn.causal(x, states[i], rings[i], lengths, self.config.block_size,
-                                           every_step=every_step)
-            if every_step:
-                trail_states[i], trail_u[i] = res.step_states, res.u
+                                           keep_steps=check)
+            if check:
+                trail_steps[i], trail_u[i] = res.steps, res.u
             else:
                 states[i].copy_(res.state)
                 rings[i].copy_(res.ring.to(rings[i].dtype))
@@ -589,7 +596,7 @@ class CloverForCausalLM(nn.Module):
 
         h, _ = self._run(ids, at_steps, mixer)
         logits = self.lm_head(h)
-        return (logits, trail_states, trail_u) if every_step else logits
+        return (logits, trail_steps, trail_u) if check else logits
 
     def _check_views(self, *args: object) -> tuple[torch.Tensor, list, list]:
         return self._steps(*args)   # its own function: compiled shapes are counted per function
@@ -613,28 +620,31 @@ class CloverForCausalLM(nn.Module):
         if "check" in self._compiled and not isinstance(rows, torch.Tensor):
             out = self._call_compiled("check", cache, rows, input_ids, past, lengths, True)
             if out is not None:
-                logits, states, u = out
-                return logits, CheckTrail(rows, states, u)
+                logits, steps, u = out
+                return logits, CheckTrail(rows, lengths, steps, u)
         trace: dict[int, GDNCausalOut] = {}
         logits = self.causal(input_ids, cache, lengths=lengths, logits="all", rows=rows, write="kv", gdn_trace=trace)
-        states = [trace[i].step_states if i in trace else None for i in range(len(cache.states))]
-        return logits, CheckTrail(rows, states, [trace[i].u if i in trace else None for i in range(len(cache.states))])
+        layers = range(len(cache.states))
+        return logits, CheckTrail(rows, lengths, [trace[i].steps if i in trace else None for i in layers],
+                                  [trace[i].u if i in trace else None for i in layers])
 
     def keep(self, cache: PrefixCache, trail: CheckTrail, counts: torch.Tensor | list[int]) -> None:
-        """Commit the first counts[n] rows of the last `check` input of each row (0 keeps none): the
-        lengths advance by them, each GDN state becomes the one after the last kept row and each conv
-        ring holds the last W-1 rows before it. The K/V of the kept rows are already in place."""
+        """Commit the first counts[n] rows of the last `check` input of each row (0 keeps none, at most
+        the row's length): the lengths advance by them, each GDN state becomes the one after the last
+        kept row (`gdn.delta_rule_kept`, from the cached state) and each conv ring holds the
+        last W-1 rows before it. The K/V of the kept rows are already in place."""
         counts = torch.as_tensor(counts, dtype=torch.long, device=cache.lengths.device)
-        for i, steps in enumerate(trail.states):
-            if steps is None:
-                continue
-            state, ring = cache.gdn(i, trail.rows)
-            n, t = steps.shape[:2]
-            if counts.shape != (n,) or int(counts.min()) < 0 or int(counts.max()) > t:
-                raise ValueError(f"counts must be {n} integers in [0, {t}], got {counts.tolist()}")
-            after = steps[torch.arange(n, device=steps.device), (counts - 1).clamp(min=0)]
-            after = torch.where((counts > 0)[:, None, None, None], after, state)
-            cache.set_gdn(i, trail.rows, after, next_ring(ring, trail.u[i], counts))
+        n = trail.lengths.shape[0]
+        if counts.shape != (n,) or bool((counts < 0).any()) or bool((counts > trail.lengths).any()):
+            raise ValueError(f"counts must be {n} integers in [0, the checked lengths {trail.lengths.tolist()}], "
+                             f"got {counts.tolist()}")
+        if int(counts.max()) > 0:
+            for i, steps in enumerate(trail.steps):
+                if steps is None:
+                    continue
+                state, ring = cache.gdn(i, trail.rows)
+                after = delta_rule_kept(*steps, state, counts)
+                cache.set_gdn(i, trail.rows, after.to(state.dtype), next_ring(ring, trail.u[i], counts))
         cache.advance(trail.rows, counts)
 
     # -- preview mode: one denoising step over the current block -------------------------------------
