@@ -5,8 +5,10 @@ For each prompt set and batch size: tokens/s, TPF and engine overhead (wall time
 forwards, as a share of the total) for `ar`, `verify` (the default check window and --verify-windows,
 with drafts kept per check) and `low_confidence` (every block size x threshold), and tokens/s of transformers. Prompt sets: `random` token prompts of
 each --prompt-lengths, `code` (Python openings) and `agent` (tool-use chat turns of the synthetic
-test tasks, through the chat template); the last two need the checkpoint's tokenizer. Fixed output
-length (end-of-sequence ignored), greedy, same process. With --compile every decoder runs with its
+test tasks, through the chat template); the last two need the checkpoint's tokenizer. Random and code
+prompts continue for a fixed length (end-of-sequence ignored); agent prompts get their reply, to its
+end (at most --new-tokens). Greedy, same process; the conditions take turns, --repeats times, and
+each row shows the median run (the machine's speed drifts). With --compile every decoder runs with its
 passes compiled (`model.compile_decode`, each condition once untimed first so that compiling is not
 timed) and eager `ar` stays as a reference row. Prints its conditions, a table, and one JSON line last.
 
@@ -51,10 +53,8 @@ def _model(path: str | None, context: int | None) -> tuple[CloverForCausalLM, st
     return CloverForCausalLM(CloverConfig.preset("tiny", **overrides)).eval(), "tiny preset, random weights"
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, warm: bool = False) -> dict:
-    """Decode `prompts` once and time it (`warm`: after an untimed run of the same)."""
-    if warm:
-        engine.generate(prompts, params)
+def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Decode `prompts` once and time it."""
     engine.forward_seconds = 0.0
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)
@@ -66,6 +66,24 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, warm:
     checks = sum(r.stats.check_forwards for r in results)
     if checks:
         out["kept_per_check"] = sum(r.stats.drafts_accepted for r in results) / checks
+    return out
+
+
+def _repeated(repeats: int, conditions: dict, prompts: list[list[int]], warm: bool = False) -> dict:
+    """Each condition (engine, params) decoded `repeats` times, the conditions taking turns (so that a
+    slow spell of the machine falls on all of them), after an untimed run of each when `warm`. Per
+    condition: the run of median tokens/s, with every run's tokens/s and the outputs of the first."""
+    if warm:
+        for engine, params in conditions.values():
+            engine.generate(prompts, params)
+    runs: dict = {key: [] for key in conditions}
+    for _ in range(repeats):
+        for key, (engine, params) in conditions.items():
+            runs[key].append(_run(engine, prompts, params))
+    out = {}
+    for key, rs in runs.items():
+        median = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
+        out[key] = {**median, "outputs": rs[0]["outputs"], "runs_tokens_per_s": [r["tokens_per_s"] for r in rs]}
     return out
 
 
@@ -107,6 +125,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="run every decoder with its passes compiled (model.compile_decode; each run once untimed "
                              "first), next to eager ar")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each condition, taking turns (the median is shown)")
     parser.add_argument("--quick", action="store_true", help="prompt 64, batch 1, block 32, the default threshold only")
     args = parser.parse_args()
     if args.quick:
@@ -124,8 +143,9 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "machine": platform.machine(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "device": "cpu", "dtype": "float32", "model": source,
         "parameters": model.config.num_parameters()[0], "new_tokens": args.new_tokens, "greedy": True,
-        "ignore_eos": True, "context": model.config.max_position_embeddings,
-        "max_prefill_tokens": args.max_prefill_tokens, "compiled": args.compile,
+        "ignore_eos": "random and code prompts", "context": model.config.max_position_embeddings,
+        "max_prefill_tokens": args.max_prefill_tokens, "compiled": args.compile, "repeats": args.repeats,
+        "agent_replies": "to their end (at most new_tokens)",
     }
     print("conditions:", json.dumps(conditions))
     rows = []
@@ -138,22 +158,29 @@ def main() -> None:
         sets = prompt_sets(args.prompts.split(","), [int(n) for n in args.prompt_lengths.split(",")], batch, model,
                            tokenizer)
         for label, prompts in sets:
-            base = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+            # code and random prompts: a fixed continuation length; agent prompts: the reply, to its end
+            base = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=label != "agent")
             if args.compile:   # eager ar for reference, then every row with the passes compiled
                 model.compile_decode(False)
                 engine.generate(prompts[:1], base.with_(max_new_tokens=4, algorithm="ar"))
-                eager = _run(engine, prompts, base.with_(algorithm="ar"))
-                del eager["outputs"]
-                rows.append({"prompt": label, "batch": batch, "algorithm": "ar-eager", **eager})
+                eager = _repeated(args.repeats, {"ar-eager": (engine, base.with_(algorithm="ar"))}, prompts)
+                eager["ar-eager"].pop("outputs")
+                rows.append({"prompt": label, "batch": batch, "algorithm": "ar-eager", **eager["ar-eager"]})
                 model.compile_decode()
             engine.generate(prompts[:1], base.with_(max_new_tokens=4))  # warm-up
-            warm = args.compile   # compiled: each decoder's first run compiles its shapes, so run it untimed first
-            ar = _run(engine, prompts, base.with_(algorithm="ar"), warm)
+            conditions = {"ar": (engine, base.with_(algorithm="ar"))}
+            conditions.update({name: (eng, base.with_(algorithm="verify")) for name, eng in verifiers.items()})
+            for bs in map(int, args.block_sizes.split(",")):
+                for th in map(float, args.thresholds.split(",")):
+                    conditions[("low_confidence", bs, th)] = (engine, base.with_(block_size=bs, threshold=th))
+            # compiled: each decoder's first run compiles its shapes, so run it untimed first
+            results = _repeated(args.repeats, conditions, prompts, warm=args.compile)
+            ar = results["ar"]
             ar_tokens = ar.pop("outputs")   # lossless decoders must give these (same_as_ar)
             rows.append({"prompt": label, "batch": batch, "algorithm": "ar", **ar})
             if args.compile:
-                rows[-1]["speedup_over_eager"] = ar["tokens_per_s"] / eager["tokens_per_s"]
-            if ref is not None and len({len(p) for p in prompts}) == 1:
+                rows[-1]["speedup_over_eager"] = ar["tokens_per_s"] / rows[-2]["tokens_per_s"]
+            if ref is not None and len({len(p) for p in prompts}) == 1 and base.ignore_eos:
                 ids = torch.tensor(prompts)
                 t0 = time.perf_counter()
                 ref.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
@@ -161,17 +188,16 @@ def main() -> None:
                 wall = time.perf_counter() - t0
                 rows.append({"prompt": label, "batch": batch, "algorithm": "transformers_generate",
                              "tokens_per_s": batch * args.new_tokens / wall, "wall_s": wall})
-            for name, eng in verifiers.items():
-                r = _run(eng, prompts, base.with_(algorithm="verify"), warm)
-                r["same_as_ar"] = r.pop("outputs") == ar_tokens
-                rows.append({"prompt": label, "batch": batch, "algorithm": name, **r,
-                             "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
-            for bs in map(int, args.block_sizes.split(",")):
-                for th in map(float, args.thresholds.split(",")):
-                    r = _run(engine, prompts, base.with_(block_size=bs, threshold=th), warm)
-                    del r["outputs"]
-                    rows.append({"prompt": label, "batch": batch, "algorithm": "low_confidence", "block_size": bs,
-                                 "threshold": th, **r, "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
+            for key, r in results.items():
+                if key == "ar":
+                    continue
+                outputs = r.pop("outputs")
+                row = {"prompt": label, "batch": batch}
+                if isinstance(key, tuple):
+                    row.update(algorithm="low_confidence", block_size=key[1], threshold=key[2])
+                else:
+                    row.update(algorithm=key, same_as_ar=outputs == ar_tokens)
+                rows.append({**row, **r, "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
     print(f"\n{'prompt':>11} {'batch':>5} {'algorithm':>22} {'block':>5} {'thr':>5} {'tok/s':>8} {'TPF':>6} "
           f"{'kept':>5} {'overhead':>8} {'vs AR':>6} {'= AR':>5}")
     for r in rows:

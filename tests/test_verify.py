@@ -324,30 +324,40 @@ def test_fused_commit_and_preview_equal_the_separate_passes(model):
         _assert_same_cache(fus, sep)
 
 
-def test_drafts_are_checked_only_where_the_expected_tokens_pay_for_the_check():
-    """1 + p + ... + p^window expected tokens per check against the check / step cost ratio; measured
-    ratios come from the fastest recent forwards of each kind, each kind tried twice first."""
+def test_each_forward_checks_the_number_of_drafts_that_yields_the_most_tokens_per_second():
+    """1 + p + ... + p^m expected tokens per sequence over the measured time of a forward checking m
+    drafts (m = 0: an `ar` step), the fastest recent time of each; every choice tried twice first,
+    per batch size. A fixed cost ratio chooses between a step and a full check; sampling checks all."""
     from collections import deque
 
     from clover.engine.sequence import SequenceState
 
-    s = SequenceState("r", [1], SamplingParams(), 8, torch.Generator(), torch.zeros(4), 0.0)
+    def seq(p, left=8, **params):
+        s = SequenceState("r", [1], SamplingParams(**params), 8, torch.Generator(), torch.zeros(4), 0.0)
+        s.block, s.resolved = torch.zeros(8, dtype=torch.long), torch.arange(8) < 8 - left
+        s.draft_hit = p
+        return s
+
     fixed = VerifyPolicy(window=4, cost_ratio=1.7)
-    s.draft_hit = 0.5                              # 1 + 0.5 + 0.25 + 0.125 + 0.0625 = 1.94 tokens
-    assert fixed._worth_checking(s, 1)
-    s.draft_hit = 0.3                              # 1.42 tokens
-    assert not fixed._worth_checking(s, 1)
+    assert fixed.drafts_to_check([seq(0.5)]) == 4                  # 1.94 expected tokens
+    assert fixed.drafts_to_check([seq(0.3)]) == 0                  # 1.42
+    assert fixed.drafts_to_check([seq(0.3), seq(0.5)]) == 4        # one forward serves the batch
+
     measured = VerifyPolicy(window=4)
+    assert measured.choices == [0, 1, 2, 4]
     order = []
-    for took in (60.0, 0.012, 0.010, 0.011):       # the first check compiled its pass
-        kind = "check" if measured._worth_checking(s, 1) else "step"
-        order.append(kind)
-        measured.seconds.setdefault((kind, 1), deque(maxlen=8)).append(took)
-    assert order == ["check", "check", "step", "step"]
-    assert measured._worth_checking(s, 1)          # ratio 0.012 / 0.010 = 1.2 < 1.42 tokens
-    measured.seconds["step", 1].extend([0.006, 0.007])
-    assert not measured._worth_checking(s, 1)      # ratio 2.0
-    assert measured._worth_checking(s, 2)          # another batch size is measured on its own
+    for took in (60.0, 0.010, 0.012, 0.012, 0.013, 0.013, 0.020, 0.020):   # the first step compiled
+        m = measured.drafts_to_check([seq(0.5)])
+        order.append(m)
+        measured.seconds.setdefault((m, 1), deque(maxlen=8)).append(took)
+    assert order == [0, 0, 1, 1, 2, 2, 4, 4]
+    # tokens per second: m=0 1/0.010 = 100, m=1 1.5/0.012 = 125, m=2 1.75/0.013 = 135, m=4 1.94/0.020 = 97
+    assert measured.drafts_to_check([seq(0.5)]) == 2
+    assert measured.drafts_to_check([seq(0.95)]) == 4              # 4.52 / 0.020 = 226 > 2.85 / 0.013 = 219
+    assert measured.drafts_to_check([seq(0.1)]) == 0               # 1.1 / 0.012 = 92 < 100
+    assert measured.drafts_to_check([seq(0.95, left=1)]) == 1      # one slot left: 1.95 tokens whatever m >= 1
+    assert measured.drafts_to_check([seq(0.5)] * 2) == 0           # another batch size is measured on its own
+    assert measured.drafts_to_check([seq(0.1, temperature=0.8)]) == 4
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -273,17 +272,20 @@ class VerifyPolicy(_Blocks):
     not re-previewed between checks (on clover-tiny a preview before every check kept more drafts but
     cost more than they saved: benchmarks/decode.py history in the README).
 
-    Checking pays only when drafts are kept often enough: a check of several tokens costs more than an
-    `ar` step (on 2 CPU cores about 1.7x: the matrix products read every weight either way, more
-    slowly for several rows). So before each check the policy weighs the tokens it expects, 1 + p +
-    p^2 + ... + p^window with p a running estimate of how often this sequence's drafts are kept, against
-    `cost_ratio`, the time of a check over that of a step; when checking does not pay, the forward is
-    an `ar` step (no drafts), whose pick still says whether the draft would have been kept. The output
-    is `ar`'s either way. `cost_ratio` None: measured as decoding goes (per batch size, the fastest of
-    the last 8 forwards of each kind, each kind tried twice first: a first call may include compiling
-    it); a number fixes it (0 always checks). The choice is made for the batch (one forward serves
-    it): when one sequence's drafts are worth checking, every sequence's are checked. Sampled requests
-    (temperature > 0) always check, so that a seed gives the same tokens whatever the timings.
+    Checking pays only when drafts are kept often enough, and the more drafts a check carries the
+    more it costs (on 2 CPU cores a check of 1 + m tokens takes about 1.2x an `ar` step for m = 1 and 2x
+    for m = 8: the matrix products read every weight either way, more slowly for several rows, and the
+    MoE layers reach more experts). So before each forward the policy picks how many drafts to check,
+    m = 0 (an `ar` step, whose pick still says whether the draft would have been kept) or m in 1, 2,
+    4, ... up to `window`, the one that maximises the tokens it expects per second: each sequence
+    expects 1 + p + p^2 + ... + p^m tokens, with p a running estimate of how often its drafts are kept,
+    and the forward of m drafts takes the fastest of its last 8 measured times (per batch size,
+    the verification and the `keep` included; every m tried twice first: a first call may compile
+    it). The output is `ar`'s whatever the choice. One choice serves the batch (one forward). A fixed
+    `cost_ratio` (the time of a `window`-draft check over a step) limits the choice to a step or a full
+    check, the check iff a sequence expects more tokens than the ratio (0 always checks). Sampled
+    requests (temperature > 0) always check `window` drafts, so that a seed gives the same tokens
+    whatever the timings.
     """
 
     _RATE = 0.25   # weight of each new observation in the running estimate of kept drafts
@@ -294,29 +296,31 @@ class VerifyPolicy(_Blocks):
         if cost_ratio is not None and cost_ratio < 0:
             raise ValueError(f"cost_ratio must be >= 0 or None, got {cost_ratio}")
         self.window, self.cost_ratio = window, cost_ratio
-        self.seconds: dict[tuple[str, int], deque[float]] = {}   # recent forward times per (kind, batch size)
+        self.choices = [0] + sorted({min(2 ** i, window) for i in range(window.bit_length() + 1)})
+        self.seconds: dict[tuple[int, int], deque[float]] = {}   # recent forward times per (drafts, batch size)
 
-    def _worth_checking(self, s: SequenceState, n: int) -> bool:
-        """Whether checking the drafts of s (in a batch of n) is expected to give more tokens per second
-        than an `ar` step."""
-        if not s.params.greedy:
-            return True
-        ratio = self.cost_ratio
-        if ratio is None:
-            check, step = self.seconds.get(("check", n), ()), self.seconds.get(("step", n), ())
-            if len(check) < 2 or len(step) < 2:
-                return len(check) < 2         # try each kind twice
-            ratio = min(check) / min(step)
-        p = s.draft_hit
-        return 1 + sum(p ** i for i in range(1, self.window + 1)) > ratio
+    @staticmethod
+    def expected(p: float, m: int) -> float:
+        """Tokens a check of m drafts yields when each is kept with probability p: 1 + p + ... + p^m."""
+        return sum(p ** i for i in range(m + 1))
 
-    def _timed(self, key: tuple[str, int], device: torch.device, call: Callable[[], object]) -> object:
-        t0 = time.perf_counter()
-        out = call()
-        if device.type == "cuda":   # kernels run asynchronously: time them, not their launch
-            torch.cuda.synchronize(device)
-        self.seconds.setdefault(key, deque(maxlen=8)).append(time.perf_counter() - t0)
-        return out
+    def drafts_to_check(self, seqs: list[SequenceState]) -> int:
+        """How many drafts the batch's next forward checks per sequence (0: an `ar` step)."""
+        if any(not s.params.greedy for s in seqs):
+            return self.window
+        if self.cost_ratio is not None:
+            worth = any(self.expected(s.draft_hit, self.window) > self.cost_ratio for s in seqs)
+            return self.window if worth else 0
+        n, best, best_rate = len(seqs), 0, 0.0
+        left = [len(s.block) - int(s.resolved.sum()) for s in seqs]
+        for m in self.choices:
+            times = self.seconds.get((m, n), ())
+            if len(times) < 2:
+                return m                      # try each choice twice
+            rate = sum(self.expected(s.draft_hit, min(m, r)) for s, r in zip(seqs, left, strict=True)) / min(times)
+            if rate > best_rate:
+                best, best_rate = m, rate
+        return best
 
     def reusable(self, s: SequenceState) -> int:
         """As for block diffusion, but a prompt that ends on a block boundary keeps its last token to
@@ -326,30 +330,28 @@ class VerifyPolicy(_Blocks):
 
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         n, dev = len(seqs), engine.model.device
-        check = any(self._worth_checking(s, n) for s in seqs)   # one forward serves the batch
+        t0 = time.perf_counter()
+        chosen = self.drafts_to_check(seqs)   # one forward serves the batch
         inputs, pending, drafted = [], [], []
         for s in seqs:
             j = int(s.resolved.sum())                        # slots < j are verified (a prefix)
             p = s.pos + j - s.cached                         # verified, not yet in the cache (>= 1)
-            m = min(self.window, len(s.block) - j) if check else 0   # drafts checked
+            m = min(chosen, len(s.block) - j)                # drafts checked
             inputs.append(torch.cat([s.block[j - p: j], s.drafts[j: j + m]]))
             pending.append(p)
             drafted.append(m)
         lengths = [len(x) for x in inputs]
-        usual = 1 + self.window
-        if max(lengths) == 1:   # no drafts worth checking: an `ar` step, which commits its token
-            ids = torch.stack(inputs)
-            logits = self._timed(("step", n), dev,
-                                 lambda: engine.forward(seqs, "causal", ids, lengths, logits="all"))
-            trail = None
+        if max(lengths) == 1:   # no drafts to check: an `ar` step, which commits its token
+            logits = engine.forward(seqs, "causal", torch.stack(inputs), lengths, logits="all")
+            trail, key = None, (0, n)
         else:
-            # one compiled shape for the usual check (one pending token), one for a prompt tail's (timed
-            # apart: only the usual one enters the cost ratio)
-            width = usual if max(lengths) <= usual else max(max(lengths), engine.config.block_size)
+            # one shape per choice (the pending token and the chosen drafts), padded to it; a prompt
+            # tail's is wider and not timed (it says nothing of the usual cost)
+            width = max(max(lengths), 1 + chosen)
             ids = engine.pad(inputs, 0)
             ids = torch.cat([ids, ids.new_zeros(n, width - ids.shape[1])], dim=1)
-            key = ("check", n) if width == usual else ("check-tail", n)
-            logits, trail = self._timed(key, dev, lambda: engine.forward(seqs, "check", ids, lengths))
+            logits, trail = engine.forward(seqs, "check", ids, lengths)
+            key = (chosen, n) if width == 1 + chosen else None
         counts = [0] * len(seqs)
         for i, s in enumerate(seqs):
             s.stats.check_forwards += 1
@@ -365,6 +367,10 @@ class VerifyPolicy(_Blocks):
                 counts[i] = 0                                # its row is freed
         if trail is not None:
             engine.keep(seqs, trail, counts)
+        if key is not None:
+            if dev.type == "cuda":   # kernels run asynchronously: time them, not their launch
+                torch.cuda.synchronize(dev)
+            self.seconds.setdefault(key, deque(maxlen=8)).append(time.perf_counter() - t0)
         done = []
         for s, kept in zip(seqs, counts, strict=True):
             s.cached += kept
