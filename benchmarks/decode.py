@@ -69,16 +69,16 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> di
     return out
 
 
-def _repeated(repeats: int, conditions: dict, prompts: list[list[int]], warm: bool = False) -> dict:
-    """Each condition (engine, params) decoded `repeats` times, the conditions taking turns (so that a
-    slow spell of the machine falls on all of them), after an untimed run of each when `warm`. Per
-    condition: the run of median tokens/s, with every run's tokens/s and the outputs of the first."""
+def _repeated(repeats: int, decoders: dict, prompts: list[list[int]], warm: bool = False) -> dict:
+    """Each decoder (engine, params) run `repeats` times, the decoders taking turns (so that a slow
+    spell of the machine falls on all of them), after an untimed run of each when `warm`. Per decoder:
+    the run of median tokens/s, with every run's tokens/s and the outputs of the first."""
     if warm:
-        for engine, params in conditions.values():
+        for engine, params in decoders.values():
             engine.generate(prompts, params)
-    runs: dict = {key: [] for key in conditions}
+    runs: dict = {key: [] for key in decoders}
     for _ in range(repeats):
-        for key, (engine, params) in conditions.items():
+        for key, (engine, params) in decoders.items():
             runs[key].append(_run(engine, prompts, params))
     out = {}
     for key, rs in runs.items():
@@ -168,13 +168,13 @@ def main() -> None:
                 rows.append({"prompt": label, "batch": batch, "algorithm": "ar-eager", **eager["ar-eager"]})
                 model.compile_decode()
             engine.generate(prompts[:1], base.with_(max_new_tokens=4))  # warm-up
-            conditions = {"ar": (engine, base.with_(algorithm="ar"))}
-            conditions.update({name: (eng, base.with_(algorithm="verify")) for name, eng in verifiers.items()})
+            decoders = {"ar": (engine, base.with_(algorithm="ar"))}
+            decoders.update({name: (eng, base.with_(algorithm="verify")) for name, eng in verifiers.items()})
             for bs in map(int, args.block_sizes.split(",")):
                 for th in map(float, args.thresholds.split(",")):
-                    conditions[("low_confidence", bs, th)] = (engine, base.with_(block_size=bs, threshold=th))
+                    decoders[("low_confidence", bs, th)] = (engine, base.with_(block_size=bs, threshold=th))
             # compiled: each decoder's first run compiles its shapes, so run it untimed first
-            results = _repeated(args.repeats, conditions, prompts, warm=args.compile)
+            results = _repeated(args.repeats, decoders, prompts, warm=args.compile)
             ar = results["ar"]
             ar_tokens = ar.pop("outputs")   # lossless decoders must give these (same_as_ar)
             rows.append({"prompt": label, "batch": batch, "algorithm": "ar", **ar})

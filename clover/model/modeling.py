@@ -301,7 +301,7 @@ class _RowViews:
     for every position written: `write_kv` writes every step of its input, those of padded steps into
     positions past the row's new length, which nothing reads."""
 
-    def __init__(self, keys: list, values: list, states: list, rings: list, past: torch.Tensor) -> None:
+    def __init__(self, keys: list, values: list, states: list, rings: list, past: torch.Tensor | None) -> None:
         self.keys, self.values, self.states, self.rings, self.past = keys, values, states, rings, past
 
     def kv(self, i: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -510,7 +510,8 @@ class CloverForCausalLM(nn.Module):
         wrapper) over views of the sequences' cache rows, with no host synchronisation inside: the
         one-token cache-writing `causal` call (the `ar` step), `preview`, and `causal_and_preview` (block
         commits fused with a preview; at most a block of clean tokens, so not prefills) and `check`
-        (`verify`'s causal check of a few drafts), each where its rows are all or a slice and no `gdn_trace` is asked for. On 2 CPU
+        (`verify`'s causal check of a few drafts) with `keep` (the GDN state and ring after its kept rows),
+        each where its rows are all or a slice and no `gdn_trace` is asked for. On 2 CPU
         cores the `ar` step takes about half the time (benchmarks/forward.py --compile). Each new shape
         class compiles once (tens of seconds to minutes on 2 cores; inductor keeps the result on disk for
         the next process). The weights must not change afterwards. `enabled` False returns to eager
@@ -523,8 +524,8 @@ class CloverForCausalLM(nn.Module):
             return
         options = {"freezing": True, "cpp_wrapper": True}
         self._compiled = {name: torch.compile(fn, dynamic=True, options=options) for name, fn in
-                          (("step", self._steps), ("check", self._check_views), ("preview", self._preview_views),
-                           ("fused", self._fused_views))}
+                          (("step", self._steps), ("check", self._check_views), ("keep", self._keep_views),
+                           ("preview", self._preview_views), ("fused", self._fused_views))}
         if warmup:
             with torch.inference_mode():
                 for n in (1, 2):
@@ -631,21 +632,31 @@ class CloverForCausalLM(nn.Module):
     def keep(self, cache: PrefixCache, trail: CheckTrail, counts: torch.Tensor | list[int]) -> None:
         """Commit the first counts[n] rows of the last `check` input of each row (0 keeps none, at most
         the row's length): the lengths advance by them, each GDN state becomes the one after the last
-        kept row (`gdn.delta_rule_kept`, from the cached state) and each conv ring holds the
-        last W-1 rows before it. The K/V of the kept rows are already in place."""
-        counts = torch.as_tensor(counts, dtype=torch.long, device=cache.lengths.device)
-        n = trail.lengths.shape[0]
-        if counts.shape != (n,) or bool((counts < 0).any()) or bool((counts > trail.lengths).any()):
-            raise ValueError(f"counts must be {n} integers in [0, the checked lengths {trail.lengths.tolist()}], "
-                             f"got {counts.tolist()}")
-        if int(counts.max()) > 0:
-            for i, steps in enumerate(trail.steps):
-                if steps is None:
-                    continue
-                state, ring = cache.gdn(i, trail.rows)
-                after = delta_rule_kept(*steps, state, counts)
-                cache.set_gdn(i, trail.rows, after.to(state.dtype), next_ring(ring, trail.u[i], counts))
+        kept row (`gdn.delta_rule_kept`, from the cached state) and each conv ring holds the last W-1
+        rows before it. The K/V of the kept rows are already in place."""
+        kept, lengths = torch.as_tensor(counts).tolist(), trail.lengths.tolist()
+        if len(kept) != len(lengths) or any(not 0 <= c <= n for c, n in zip(kept, lengths, strict=False)):
+            raise ValueError(f"counts must be {len(lengths)} integers in [0, the checked lengths {lengths}], "
+                             f"got {kept}")
+        counts = torch.tensor(kept, dtype=torch.long, device=cache.lengths.device)
+        if any(kept):
+            compiled = "keep" in self._compiled and not isinstance(trail.rows, torch.Tensor)
+            if not compiled or self._call_compiled("keep", cache, trail.rows, trail.steps, trail.u, counts) is None:
+                self._keep_body(trail.steps, trail.u, counts, _CacheRows(cache, trail.rows))
         cache.advance(trail.rows, counts)
+
+    def _keep_views(self, steps: list, us: list, counts: torch.Tensor, keys: list, values: list, states: list,
+                    rings: list) -> bool:
+        self._keep_body(steps, us, counts, _RowViews(keys, values, states, rings, None))
+        return True   # (the compiled call returns None only when it could not compile)
+
+    @staticmethod
+    def _keep_body(steps: list, us: list, counts: torch.Tensor, rows: _CacheRows | _RowViews) -> None:
+        for i, layer_steps in enumerate(steps):
+            if layer_steps is not None:
+                state, ring = rows.gdn(i)
+                rows.set_gdn(i, delta_rule_kept(*layer_steps, state, counts).to(state.dtype),
+                             next_ring(ring, us[i], counts))
 
     # -- preview mode: one denoising step over the current block -------------------------------------
     def preview(
