@@ -327,7 +327,8 @@ def test_fused_commit_and_preview_equal_the_separate_passes(model):
 def test_each_forward_checks_the_number_of_drafts_that_yields_the_most_tokens_per_second():
     """1 + p + ... + p^m expected tokens per sequence over the measured time of a forward checking m
     drafts (m = 0: an `ar` step), the fastest recent time of each; every choice tried twice first,
-    per batch size. A fixed cost ratio chooses between a step and a full check; sampling checks all."""
+    per batch size. A fixed cost ratio, or compiled passes, choose between a step and a full check;
+    sampling checks all."""
     from collections import deque
 
     from clover.engine.sequence import SequenceState
@@ -358,6 +359,13 @@ def test_each_forward_checks_the_number_of_drafts_that_yields_the_most_tokens_pe
     assert measured.drafts_to_check([seq(0.95, left=1)]) == 1      # one slot left: 1.95 tokens whatever m >= 1
     assert measured.drafts_to_check([seq(0.5)] * 2) == 0           # another batch size is measured on its own
     assert measured.drafts_to_check([seq(0.1, temperature=0.8)]) == 4
+    compiled = VerifyPolicy(window=4)   # compiled passes: a step or a full check (one graph per length)
+    order = []
+    for took in (0.010, 0.010, 0.020, 0.020):
+        m = compiled.drafts_to_check([seq(0.5)], compiled=True)
+        order.append(m)
+        compiled.seconds.setdefault((m, 1), deque(maxlen=8)).append(took)
+    assert order == [0, 0, 4, 4] and compiled.drafts_to_check([seq(0.95)], compiled=True) == 4
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])

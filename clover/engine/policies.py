@@ -277,7 +277,8 @@ class VerifyPolicy(_Blocks):
     for m = 8: the matrix products read every weight either way, more slowly for several rows, and the
     MoE layers reach more experts). So before each forward the policy picks how many drafts to check,
     m = 0 (an `ar` step, whose pick still says whether the draft would have been kept) or m in 1, 2,
-    4, ... up to `window`, the one that maximises the tokens it expects per second: each sequence
+    4, ... up to `window` (with compiled passes 0 or `window` only: each check length is a graph to
+    build), the one that maximises the tokens it expects per second: each sequence
     expects 1 + p + p^2 + ... + p^m tokens, with p a running estimate of how often its drafts are kept,
     and the forward of m drafts takes the fastest of its last 8 measured times (per batch size,
     the verification and the `keep` included; every m tried twice first: a first call may compile
@@ -304,8 +305,10 @@ class VerifyPolicy(_Blocks):
         """Tokens a check of m drafts yields when each is kept with probability p: 1 + p + ... + p^m."""
         return sum(p ** i for i in range(m + 1))
 
-    def drafts_to_check(self, seqs: list[SequenceState]) -> int:
-        """How many drafts the batch's next forward checks per sequence (0: an `ar` step)."""
+    def drafts_to_check(self, seqs: list[SequenceState], compiled: bool = False) -> int:
+        """How many drafts the batch's next forward checks per sequence (0: an `ar` step). `compiled`:
+        the passes run compiled, where every check length is a graph to build (minutes on 2 CPU cores),
+        so the choice is `window` drafts or none."""
         if any(not s.params.greedy for s in seqs):
             return self.window
         if self.cost_ratio is not None:
@@ -313,7 +316,7 @@ class VerifyPolicy(_Blocks):
             return self.window if worth else 0
         n, best, best_rate = len(seqs), 0, 0.0
         left = [len(s.block) - int(s.resolved.sum()) for s in seqs]
-        for m in self.choices:
+        for m in self.choices if not compiled else (0, self.window):
             times = self.seconds.get((m, n), ())
             if len(times) < 2:
                 return m                      # try each choice twice
@@ -331,7 +334,7 @@ class VerifyPolicy(_Blocks):
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         n, dev = len(seqs), engine.model.device
         t0 = time.perf_counter()
-        chosen = self.drafts_to_check(seqs)   # one forward serves the batch
+        chosen = self.drafts_to_check(seqs, engine.model.decode_compiled)   # one forward serves the batch
         inputs, pending, drafted = [], [], []
         for s in seqs:
             j = int(s.resolved.sum())                        # slots < j are verified (a prefix)
@@ -346,8 +349,9 @@ class VerifyPolicy(_Blocks):
             trail, key = None, (0, n)
         else:
             # one shape per choice (the pending token and the chosen drafts), padded to it; a prompt
-            # tail's is wider and not timed (it says nothing of the usual cost)
-            width = max(max(lengths), 1 + chosen)
+            # tail's is wider, padded to a block (one compiled shape), and not timed (it says nothing of
+            # the usual cost)
+            width = 1 + chosen if max(lengths) <= 1 + chosen else max(max(lengths), engine.config.block_size)
             ids = engine.pad(inputs, 0)
             ids = torch.cat([ids, ids.new_zeros(n, width - ids.shape[1])], dim=1)
             logits, trail = engine.forward(seqs, "check", ids, lengths)

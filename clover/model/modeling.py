@@ -210,8 +210,10 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x).float()) * live
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float()) * live
         chunk_states, t = None, x.shape[1]
-        if (self.use_recurrent_reference or t == 1 or (t <= RECURRENT_STEPS and not return_chunk_states)
-                or (keep_steps and torch.compiler.is_compiling())):
+        # compiled, a check runs step by step (faster there than one chunk; its length is fixed per graph)
+        compiling = torch.compiler.is_compiling()
+        if (self.use_recurrent_reference or t == 1 or (keep_steps and compiling)
+                or (not compiling and t <= RECURRENT_STEPS and not return_chunk_states)):
             o, new_state, *w = delta_rule_recurrent(q, k, v, g, beta, state, return_written=keep_steps)
         else:
             size = chunk_size if return_chunk_states else min(chunk_size, t)
@@ -351,6 +353,11 @@ class CloverForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    @property
+    def decode_compiled(self) -> bool:
+        """Whether the decoding passes run compiled (`compile_decode`; each input length its own graph)."""
+        return bool(self._compiled)
 
     @property
     def dtype(self) -> torch.dtype:
