@@ -194,7 +194,7 @@ def main() -> None:
                 outputs = r.pop("outputs")
                 row = {"prompt": label, "batch": batch}
                 if isinstance(key, tuple):
-                    row.update(algorithm="low_confidence", block_size=key[1], threshold=key[2])
+                    row.update(algorithm=key[0], block_size=key[1], threshold=key[2])
                 else:
                     row.update(algorithm=key, same_as_ar=outputs == ar_tokens)
                 rows.append({**row, **r, "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
