@@ -358,8 +358,9 @@ class VerifyPolicy(_Blocks):
             key = (chosen, n) if width == 1 + chosen else None
         counts = [0] * len(seqs)
         for i, s in enumerate(seqs):
-            s.stats.check_forwards += 1
             p, m = pending[i], drafted[i]
+            s.stats.check_forwards += 1
+            s.stats.draft_checks += int(m > 0)
             with engine.isolated(s, events):
                 preds = logits[i, p - 1: p + m]              # row t predicts the slot after it
                 if int(s.resolved.sum()) + m == len(s.block):

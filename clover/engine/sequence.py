@@ -20,6 +20,7 @@ class GenerationStats:
     commit_forwards: int = 0   # block commits (a commit fused with the next preview counts here, once);
                                # ar: the causal forwards that produced tokens
     check_forwards: int = 0    # verify: causal checks of drafts (an `ar` step when none was worth checking)
+    draft_checks: int = 0      # verify: those of the checks that carried drafts
     prefill_forwards: int = 0  # prompt prefills (no forward of their own when fused with a preview)
     cached_tokens: int = 0     # prompt tokens restored from the prefix cache instead of prefilled
     drafts_proposed: int = 0   # verify: draft tokens checked

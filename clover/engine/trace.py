@@ -72,8 +72,9 @@ def render_steps_ansi(result: GenerationResult, decode: Callable[[list[int]], st
         out.append(f"\033[{underline}38;5;{_colour(step - 1, most)}m{text}\033[0m")
     legend = " ".join(f"\033[38;5;{_colour(s - 1, most)}m{s}\033[0m" for s in range(1, most + 1))
     stats = result.stats
-    checks = (f", {stats.check_forwards} checks kept {stats.drafts_accepted} of {stats.drafts_proposed} drafts "
-              "(underlined: the causal head's token over a rejected draft)" if stats.check_forwards else "")
+    checks = (f", {stats.check_forwards} causal forwards, {stats.draft_checks} with drafts: kept "
+              f"{stats.drafts_accepted} of {stats.drafts_proposed} (underlined: the causal head's token over a "
+              "rejected draft)" if stats.check_forwards else "")
     return ("".join(out) + f"\n\033[2msteps within a block: {legend}   ('|' marks a block boundary)   "
             f"{stats.generated_tokens} tokens, {stats.nfe} forwards, TPF {stats.tpf:.2f}{checks}\033[0m")
 
@@ -174,8 +175,8 @@ def write_trace_html(path: str | Path, result: GenerationResult, prompt_text: st
                      decode: Callable[[list[int]], str]) -> None:
     data = trace_data(result, prompt_text, decode)
     s = result.stats
-    checks = (f", {s.check_forwards} checks keeping {s.drafts_accepted} of {s.drafts_proposed} drafts"
-              if s.check_forwards else "")
+    checks = (f", {s.check_forwards} causal forwards, {s.draft_checks} with drafts, keeping {s.drafts_accepted} "
+              f"of {s.drafts_proposed}" if s.check_forwards else "")
     summary = html.escape(f"{s.generated_tokens} tokens in {s.nfe} forwards ({s.preview_forwards} previews, "
                           f"{s.commit_forwards} commits{checks}), TPF {s.tpf:.2f}, {s.blocks} blocks.")
     page = _PAGE.replace("__SUMMARY__", summary).replace("__DATA__", json.dumps(data).replace("</", "<\\/"))
