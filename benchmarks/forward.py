@@ -1,7 +1,8 @@
 """Forward-pass timings of Clover's three inference passes against transformers on identical weights.
 
 For each preset: causal prefill (per token), preview of one block over the prefilled cache, commit
-of one block (causal, extends the cache) and one autoregressive step (1 token, extends the cache).
+of one block (causal, extends the cache), one autoregressive step (1 token, extends the cache), and
+`verify`'s check of 2, 5 and 9 tokens with the keep of half of them.
 transformers' Qwen3_5MoeForCausalLM runs prefill, commit (a block with past_key_values) and the AR
 step on the same weights; it has no preview mode. Medians over repeats, same process and threads.
 Prints its conditions, a table, and one JSON line last.
@@ -33,6 +34,9 @@ def _median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+CHECK_WIDTHS = (2, 5, 9)   # `verify` checks of 1, 4 and 8 drafts after the pending token
 
 
 @torch.inference_mode()
@@ -69,11 +73,27 @@ def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compil
             out.append(time.perf_counter() - t0)
         return out
 
+    def checks(width: int) -> dict[str, float]:
+        """`verify`'s check of `width` tokens (a pending token and drafts), then a keep of half of them."""
+        check_s, keep_s = [], []
+        for _ in range(repeats * blocks):
+            c = copy.deepcopy(cache)
+            t0 = time.perf_counter()
+            _, trail = model.check(ids[:, prompt_len: prompt_len + width], c)
+            t1 = time.perf_counter()
+            model.keep(c, trail, [max(1, width // 2)])
+            check_s.append(t1 - t0)
+            keep_s.append(time.perf_counter() - t1)
+        return {f"check_{width}_ms": 1e3 * statistics.median(check_s), f"keep_{width}_ms": 1e3 * statistics.median(keep_s)}
+
     commit = statistics.median(t for _ in range(repeats) for t in commits())
     ar_step = statistics.median(t for _ in range(repeats) for t in ar_steps())
     result = {"preset": preset, "parameters_total": config.num_parameters()[0],
               "clover_prefill_ms_per_token": 1e3 * prefill / prompt_len, "clover_preview_ms": 1e3 * preview,
               "clover_commit_ms": 1e3 * commit, "clover_ar_step_ms": 1e3 * ar_step}
+    for width in CHECK_WIDTHS:
+        checks(width)   # warm-up
+        result.update({f"clover_{k}": v for k, v in checks(width).items()})
     if compiled:   # the same passes through model.compile_decode (compiled before timing)
         model.compile_decode(warmup=True)
         ar_steps()
@@ -81,6 +101,9 @@ def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compil
         model.preview(mask_block, cache)
         result["clover_preview_compiled_ms"] = 1e3 * _median_time(lambda: model.preview(mask_block, cache),
                                                                   repeats * blocks)
+        for width in CHECK_WIDTHS:
+            checks(width)   # compiles this width's check (and keep)
+            result.update({f"clover_{k.replace('_ms', '_compiled_ms')}": v for k, v in checks(width).items()})
         model.compile_decode(False)
         result["preview_over_ar_step_compiled"] = (result["clover_preview_compiled_ms"]
                                                    / result["clover_ar_step_compiled_ms"])
@@ -135,7 +158,8 @@ def main() -> None:
     for r in results:
         print(f"\n{r['preset']} ({r['parameters_total'] / 1e6:.1f}M parameters)")
         for key in ("prefill_ms_per_token", "preview_ms", "commit_ms", "ar_step_ms", "ar_step_compiled_ms",
-                    "preview_compiled_ms"):
+                    "preview_compiled_ms", *(f"{kind}_{w}_{mode}ms" for mode in ("", "compiled_")
+                                             for w in CHECK_WIDTHS for kind in ("check", "keep"))):
             ours, theirs = r.get(f"clover_{key}"), r.get(f"transformers_{key}")
             if ours is None:
                 continue
