@@ -206,10 +206,11 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._heads(c)
         q = l2norm(q.float()) / math.sqrt(self.key_dim)
         k = l2norm(k.float())
-        live = valid_mask(lengths, x.shape[1])[..., None].float()               # [N,T,1]
+        t = x.shape[1]
+        live = valid_mask(lengths, t)[..., None].float()                        # [N,T,1]
         beta = torch.sigmoid(self.in_proj_b(x).float()) * live
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float()) * live
-        chunk_states, t = None, x.shape[1]
+        chunk_states = None
         # compiled, a check runs step by step (faster there than one chunk; its length is fixed per graph)
         compiling = torch.compiler.is_compiling()
         if (self.use_recurrent_reference or t == 1 or (keep_steps and compiling)
