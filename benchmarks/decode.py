@@ -3,7 +3,8 @@ AR decoding of the same weights, and against transformers' greedy `generate` on 
 
 For each prompt set and batch size: tokens/s, TPF and engine overhead (wall time outside model
 forwards, as a share of the total) for `ar`, `verify` (the default check window and --verify-windows,
-with drafts kept per check) and `low_confidence` (every block size x threshold), and tokens/s of transformers. Prompt sets: `random` token prompts of
+with drafts kept per check and the share of blocks previewed) and `low_confidence` (every block size x
+threshold), and tokens/s of transformers. Prompt sets: `random` token prompts of
 each --prompt-lengths, `code` (Python openings) and `agent` (tool-use chat turns of the synthetic
 test tasks, through the chat template); the last two need the checkpoint's tokenizer. Random and code
 prompts continue for a fixed length (end-of-sequence ignored); agent prompts get their reply, to its
@@ -66,6 +67,8 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> di
     checks = sum(r.stats.check_forwards for r in results)
     if checks:
         out["kept_per_check"] = sum(r.stats.drafts_accepted for r in results) / checks
+        blocks = sum(r.stats.blocks for r in results)
+        out["previewed"] = 1 - sum(r.stats.previews_skipped for r in results) / max(blocks, 1)
     return out
 
 
@@ -199,11 +202,11 @@ def main() -> None:
                     row.update(algorithm=key, same_as_ar=outputs == ar_tokens)
                 rows.append({**row, **r, "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
     print(f"\n{'prompt':>11} {'batch':>5} {'algorithm':>22} {'block':>5} {'thr':>5} {'tok/s':>8} {'TPF':>6} "
-          f"{'kept':>5} {'overhead':>8} {'vs AR':>6} {'= AR':>5}")
+          f"{'kept':>5} {'prev':>5} {'overhead':>8} {'vs AR':>6} {'= AR':>5}")
     for r in rows:
         print(f"{r['prompt']:>11} {r['batch']:>5} {r['algorithm']:>22} {r.get('block_size', ''):>5} "
               f"{r.get('threshold', ''):>5} {r['tokens_per_s']:8.1f} {r.get('tpf', float('nan')):6.2f} "
-              f"{r.get('kept_per_check', float('nan')):5.2f} "
+              f"{r.get('kept_per_check', float('nan')):5.2f} {r.get('previewed', float('nan')):5.2f} "
               f"{100 * r.get('overhead', float('nan')):7.1f}% {r.get('speedup_over_ar', float('nan')):6.2f} "
               f"{'' if 'same_as_ar' not in r else 'yes' if r['same_as_ar'] else 'NO':>5}")
     b1 = [r["overhead"] for r in rows if r["batch"] == 1 and "overhead" in r]

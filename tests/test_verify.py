@@ -8,6 +8,7 @@ distribution; a check followed by a keep leaves the cache a prefill of the kept 
 
 import copy
 import math
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from clover.engine.engine import Engine
 from clover.engine.policies import VerifyPolicy
 from clover.engine.sampling import SamplingParams
+from clover.engine.sequence import SequenceState
 from clover.model.checkpoint import load_checkpoint
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
@@ -172,7 +174,7 @@ def test_kept_windows_continue_with_the_causal_heads_token(model, window):
 
 def _assert_cache_is_prefill_of(model, engine, s, tokens):
     n = s.cached
-    assert s.pos <= n <= len(tokens)
+    assert s.pos - (0 if s.behind is None else len(s.behind)) <= n <= len(tokens)
     ref = model.new_cache(1)
     model.causal(torch.tensor([tokens[:n]]), ref, logits="none")
     cache, row = engine.cache, s.row
@@ -329,14 +331,11 @@ def test_each_forward_checks_the_number_of_drafts_that_yields_the_most_tokens_pe
     drafts (m = 0: an `ar` step), the fastest recent time of each; every choice tried twice first,
     per batch size. A fixed cost ratio, or compiled passes, choose between a step and a full check;
     sampling checks all."""
-    from collections import deque
-
-    from clover.engine.sequence import SequenceState
 
     def seq(p, left=8, **params):
         s = SequenceState("r", [1], SamplingParams(**params), 8, torch.Generator(), torch.zeros(4), 0.0)
         s.block, s.resolved = torch.zeros(8, dtype=torch.long), torch.arange(8) < 8 - left
-        s.draft_hit = p
+        s.drafts, s.draft_hit = torch.ones(8, dtype=torch.long), p
         return s
 
     fixed = VerifyPolicy(window=4, cost_ratio=1.7)
@@ -387,3 +386,90 @@ def test_seeded_sampled_verify_gives_the_same_tokens_alone_and_in_a_batch(model)
     batch = Engine(model, max_batch_size=4).generate(prompts, params)
     for p, sp, got in zip(prompts, params, batch, strict=True):
         assert Engine(model).generate([p], sp)[0].token_ids == got.token_ids
+
+
+class EveryOtherPreview(VerifyPolicy):
+    """Previews only the blocks of even index (the others decode by `ar` steps); drafts are `ar`'s own
+    tokens, every fifth replaced by a wrong one when `poison`. Records, for each block decoded without
+    a preview, whether the block before it left a token to commit (else the causal head's prediction of
+    the first slot, from the check that kept all of the block's last drafts, fills it)."""
+
+    def __init__(self, truth: list[int], prompt_len: int, vocab: int, window: int, poison: bool) -> None:
+        super().__init__(window=window, cost_ratio=0)
+        self.truth, self.prompt_len, self.vocab, self.poison = truth, prompt_len, vocab, poison
+        self.left_behind: list[bool] = []
+
+    def preview_worth(self, s, n, k, compiled=False):
+        worth = (s.pos // s.block_size + 1) % 2 == 0      # the next block's index
+        if not worth:
+            self.left_behind.append(s.cached < s.pos + len(s.block))
+        return worth
+
+    def _draft(self, engine, s, logits):
+        super()._draft(engine, s, logits)
+        for slot in (~s.resolved).nonzero().squeeze(-1).tolist():
+            k = s.pos + slot - self.prompt_len
+            if 0 <= k < len(self.truth):
+                wrong = self.poison and (s.pos + slot) % 5 == 3
+                s.drafts[slot] = (self.truth[k] + 1) % (self.vocab - 2) if wrong else self.truth[k]
+
+
+@pytest.mark.parametrize(("window", "poison"), [(1, True), (4, True), (1, False), (4, False)])
+def test_blocks_without_a_preview_equal_ar_and_leave_the_cache_a_prefill(model, window, poison):
+    """Blocks decoded without a preview (after a block whose last token waits for the cache, and after
+    one whose check predicted the next slot) write `ar`'s tokens, cost no preview, and the cache after
+    every step is a prefill of the tokens before it."""
+    prompt = _prompts()[0]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, algorithm="verify")
+    truth = Engine(model).generate([prompt], params.with_(algorithm="ar"))[0].token_ids
+    policy = EveryOtherPreview(truth, len(prompt), model.config.vocab_size, window, poison)
+    engine = Engine(model, policies={"verify": policy})
+    engine.add_request(prompt, params)
+    result = None
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.finished:
+                result = ev.result
+        for s in engine.running:
+            if s.finish_reason is None:
+                _assert_cache_is_prefill_of(model, engine, s, prompt + s.generated)
+    assert result.token_ids == truth
+    st = result.stats
+    assert st.previews_skipped == len(policy.left_behind) >= 2
+    # every block previewed (alone, fused with the prefill, or with the commit before it) or not
+    assert st.preview_forwards + st.commit_forwards + st.previews_skipped == st.blocks
+    assert st.nfe == st.preview_forwards + st.commit_forwards + st.check_forwards
+    if poison:   # some blocks end on a rejected draft: its replacement waits for the cache
+        assert any(policy.left_behind)
+    else:        # every draft kept: the last check predicted the next block's first slot
+        assert not any(policy.left_behind)
+
+
+def test_a_block_is_previewed_when_its_drafts_save_more_than_the_preview_costs():
+    def seq(p, **params):
+        s = SequenceState("r", [1], SamplingParams(**params), 32, torch.Generator(), torch.zeros(4), 0.0)
+        s.draft_hit = p
+        return s
+
+    policy = VerifyPolicy(window=4)
+    assert policy.preview_worth(seq(0.1), 1, 1)                     # nothing measured yet: preview
+    for key, took in (((0, 1), 0.010), ((4, 1), 0.020), (("preview", 1), 0.040)):
+        policy.seconds[key] = deque([took])
+    # p = 0.9: a check of 4 yields 4.1 tokens in 0.020 s; 32 slots save 32 * (0.010 - 0.0049) = 0.16 s > the
+    # preview's 0.040 - 0.010
+    assert policy.preview_worth(seq(0.9), 1, 1)
+    # p = 0.3: 1.42 tokens per 0.020 s is slower than a step: skip, probing after 1, 2, 4, 8, 8 skips
+    low = seq(0.3)
+    got = [policy.preview_worth(low, 1, 1) for _ in range(30)]
+    probes = [i for i, g in enumerate(got) if g]
+    assert probes == [1, 4, 9, 18, 27]
+    low.draft_hit = 0.9                                              # the probe found drafts worth it again
+    assert policy.preview_worth(low, 1, 1) and low.skip_limit == 1
+    # p = 0.59: saves 32 * (0.010 - 0.020 / 2.26) = 0.037 s; worth at batch 1 (0.040 - 0.010 = 0.030), not
+    # where one of 4 sequences needs its own preview forward (0.040 in full)
+    policy.seconds[(0, 4)], policy.seconds[(4, 4)] = deque([0.010]), deque([0.020])
+    assert policy.preview_worth(seq(0.59), 1, 1) and not policy.preview_worth(seq(0.59), 4, 1)
+    assert policy.preview_worth(seq(0.1, temperature=0.8), 1, 1)     # sampled: always (seeded tokens)
+    assert VerifyPolicy(cost_ratio=0).preview_worth(seq(0.0), 1, 1)
+    fixed = VerifyPolicy(window=4, cost_ratio=1.7)
+    assert fixed.preview_worth(seq(0.5), 1, 1) and not fixed.preview_worth(seq(0.3), 1, 1)

@@ -315,7 +315,7 @@ class VerifyPolicy(_Blocks):
             worth = any(self.expected(s.draft_hit, self.window) > self.cost_ratio for s in seqs)
             return self.window if worth else 0
         n, best, best_rate = len(seqs), 0, 0.0
-        left = [len(s.block) - int(s.resolved.sum()) for s in seqs]
+        left = [0 if s.drafts is None else len(s.block) - int(s.resolved.sum()) for s in seqs]
         for m in self.choices if not compiled else (0, self.window):
             times = self.seconds.get((m, n), ())
             if len(times) < 2:
@@ -339,8 +339,14 @@ class VerifyPolicy(_Blocks):
         for s in seqs:
             j = int(s.resolved.sum())                        # slots < j are verified (a prefix)
             p = s.pos + j - s.cached                         # verified, not yet in the cache (>= 1)
+            verified = s.block[:j] if s.behind is None else torch.cat([s.behind, s.block[:j]])
+            if s.drafts is None:                             # a block without a preview: `ar` steps
+                inputs.append(verified[len(verified) - p:])
+                pending.append(p)
+                drafted.append(0)
+                continue
             m = min(chosen, len(s.block) - j)                # drafts checked
-            inputs.append(torch.cat([s.block[j - p: j], s.drafts[j: j + m]]))
+            inputs.append(torch.cat([verified[len(verified) - p:], s.drafts[j: j + m]]))
             pending.append(p)
             drafted.append(m)
         lengths = [len(x) for x in inputs]
@@ -379,19 +385,73 @@ class VerifyPolicy(_Blocks):
         done = []
         for s, kept in zip(seqs, counts, strict=True):
             s.cached += kept
+            if s.behind is not None and s.cached >= s.pos:
+                s.behind = None
             full = bool(s.resolved.all())
             s.stats.blocks += int(full or s.finish_reason is not None)
             if s.finish_reason is None and full:
                 done.append(s)
         if done:
-            self.next_block(engine, done, events)
+            self.next_block(engine, done, events, n)
 
-    def next_block(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
-        """Preview the next block of each finished one: fused with the commit of its last token when the
-        causal head picked that one (else the check kept every row, and its last row predicts the slot)."""
+    def preview_worth(self, s: SequenceState, n: int, k: int, compiled: bool = False) -> bool:
+        """Whether to preview this sequence's next block (`n` sequences step together, `k` finish a block
+        now). A preview costs a forward over the block's positions, the commit of the last token fused in
+        (`k` rows), where an `ar` step would have served; its drafts pay when the checks they make
+        worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the time of a step, t that of
+        the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose preview does not pay
+        are decoded by `ar` steps; after 1, 2, 4, then 8 such blocks in a row one is previewed again (a
+        probe), so that the estimate p follows the text. Sampled requests and `cost_ratio` 0 preview
+        every block; a fixed `cost_ratio` previews iff a full check would pay."""
+        if not s.params.greedy or self.cost_ratio == 0:
+            return True
+        if self.cost_ratio is not None:
+            worth = self.expected(s.draft_hit, self.window) > self.cost_ratio
+        else:
+            step, preview = self.seconds.get((0, n)), self.seconds.get(("preview", k))
+            if not step or not preview:
+                return True                                   # not measured yet: preview (and measure)
+            t0 = min(step)
+            rates = [self.expected(s.draft_hit, m) / min(self.seconds[m, n]) for m in self.choices[1:]
+                     if (m, n) in self.seconds and (not compiled or m == self.window)]
+            if not rates:
+                return True
+            left = min(s.block_size, s.params.max_new_tokens - len(s.generated))
+            worth = left * (t0 - 1 / max(rates)) > min(preview) - (t0 if k == n else 0.0)
+        if worth or s.skipped >= s.skip_limit:
+            s.skip_limit = 1 if worth else min(2 * s.skip_limit, 8)
+            s.skipped = 0
+            return True
+        s.skipped += 1
+        return False
+
+    def next_block(self, engine: Engine, seqs: list[SequenceState], events: list[Event], n: int) -> None:
+        """Start the next block of each finished one (`n` sequences step together). Previewed: fused with
+        the commit of its last token when the causal head picked that one (else the check kept every row,
+        and its last row predicts the slot). Not previewed (`preview_worth`): no forward; the next step
+        commits the token left behind, or the causal prediction of the slot fills it now."""
+        compiled = engine.model.decode_compiled
+        plain = [s for s in seqs if not self.preview_worth(s, n, len(seqs), compiled)]
+        for s in plain:
+            s.stats.previews_skipped += 1
+            behind = s.block[s.cached - s.pos:]
+            s.pos += len(s.block)
+            self.start_block(engine, s)
+            s.drafts = s.draft_probs = None
+            if len(behind):
+                s.behind = behind.clone()
+            else:
+                s.cached = s.pos
+                with engine.isolated(s, events):
+                    self._check(engine, s, s.carry[None], 0, events)
+        seqs = [s for s in seqs if s not in plain]
         commit = [s for s in seqs if s.cached < s.pos + len(s.block)]
         if commit:
+            t0 = time.perf_counter()
             self.commit(engine, commit, events)
+            if engine.model.device.type == "cuda":
+                torch.cuda.synchronize(engine.model.device)
+            self.seconds.setdefault(("preview", len(commit)), deque(maxlen=8)).append(time.perf_counter() - t0)
         rest = [s for s in seqs if s not in commit]
         for s in rest:
             s.pos += len(s.block)
@@ -438,20 +498,24 @@ class VerifyPolicy(_Blocks):
         a row predicts slot j+m, the causal head's own token for it follows. Returns the drafts kept."""
         j = int(s.resolved.sum())
         end = j + m
+        drafts = s.block[j:j] if s.drafts is None else s.drafts[j:end]   # (none in a block without a preview)
         preds = raw = engine.mask_out(preds)
         if s.matcher is not None:   # each row masked by the grammar state after the drafts before it
-            allowed = torch.stack(s.matcher.masks_along(s.drafts[j:end].tolist())[: len(preds)]).to(preds.device)
+            allowed = torch.stack(s.matcher.masks_along(drafts.tolist())[: len(preds)]).to(preds.device)
             preds = preds.clone()
             preds[: len(allowed)] = preds[: len(allowed)].masked_fill(~allowed, float("-inf"))
         preds = engine.hold_stops(s, preds, len(s.generated))   # row i: response position len + i
         probs = None if s.draft_probs is None else s.draft_probs[j:end]
-        tokens, kept = verify_drafts(preds[:m], s.drafts[j:end], probs, s.params, s.counts, s.generator)
+        tokens, kept = verify_drafts(preds[:m], drafts, probs, s.params, s.counts, s.generator)
         if kept == m and len(preds) > m:                       # every draft kept: the causal head goes on
             t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])  # as `ar` picks
             tokens.append(t)
             s.counts[t] += 1
         # drafts kept, then the one rejected; unchecked, whether the causal head's pick equals the draft
-        seen = [True] * kept + [False] * (kept < m) if m else [tokens[0] == int(s.drafts[j])]
+        if m:
+            seen = [True] * kept + [False] * (kept < m)
+        else:
+            seen = [] if s.drafts is None else [tokens[0] == int(s.drafts[j])]
         for hit in seen:
             s.draft_hit += self._RATE * (hit - s.draft_hit)
         if s.matcher is not None:
@@ -464,11 +528,11 @@ class VerifyPolicy(_Blocks):
         s.stats.drafts_proposed += m
         s.stats.drafts_accepted += kept
         if s.params.record_steps:
-            draft = torch.where(s.resolved, s.block, s.drafts)
-            draft[j:end] = s.drafts[j:end]
+            draft = torch.where(s.resolved, s.block, engine.config.mask_token_id if s.drafts is None else s.drafts)
+            draft[j:end] = drafts
             conf = torch.ones(len(s.block))
             if probs is not None:
-                conf[j:end] = probs.gather(-1, s.drafts[j:end, None]).squeeze(-1).float().cpu()
+                conf[j:end] = probs.gather(-1, drafts[:, None]).squeeze(-1).float().cpu()
             s.trace.append(StepRecord(
                 step=s.step, block=s.pos // s.block_size, start=s.pos, fixed=s.fixed,
                 tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),

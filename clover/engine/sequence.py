@@ -21,6 +21,7 @@ class GenerationStats:
                                # ar: the causal forwards that produced tokens
     check_forwards: int = 0    # verify: causal checks of drafts (an `ar` step when none was worth checking)
     draft_checks: int = 0      # verify: those of the checks that carried drafts
+    previews_skipped: int = 0  # verify: blocks decoded without a preview (drafts not worth their cost)
     prefill_forwards: int = 0  # prompt prefills (no forward of their own when fused with a preview)
     cached_tokens: int = 0     # prompt tokens restored from the prefix cache instead of prefilled
     drafts_proposed: int = 0   # verify: draft tokens checked
@@ -123,11 +124,16 @@ class SequenceState:
     block_steps: list[int] = field(default_factory=list)
     fixed: int = 0
     finish_reason: str | None = None
-    # verify: drafts for the unresolved slots, their draft distributions (temperature > 0), the causal
-    # head's logits for the next block's first slot (when the check that ends a block predicted it), and
-    # the positions in the cache (verified tokens past it, usually one, wait for the next check)
+    # verify: drafts for the unresolved slots (None in a block decoded without a preview), their draft
+    # distributions (temperature > 0), the causal head's logits for the next block's first slot (when the
+    # check that ends a block predicted it), the positions in the cache (verified tokens past it, usually
+    # one, wait for the next check; in a block without a preview `behind` holds those of the block before
+    # it), and when to preview a block again after skipping some
     drafts: torch.Tensor | None = None
     draft_probs: torch.Tensor | None = None
     carry: torch.Tensor | None = None
     cached: int = 0
+    behind: torch.Tensor | None = None
     draft_hit: float = 0.5                     # running estimate of how often a draft is kept
+    skipped: int = 0                           # previews skipped in a row
+    skip_limit: int = 1                        # how many in a row before the next probe preview

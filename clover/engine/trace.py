@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from clover.engine.engine import GenerationResult
+from clover.engine.sequence import GenerationStats
 
 # 256-colour ramp from early (blue) to late (red) steps
 _RAMP = [33, 39, 45, 51, 50, 49, 48, 82, 118, 154, 190, 226, 220, 214, 208, 202, 196]
@@ -74,7 +75,7 @@ def render_steps_ansi(result: GenerationResult, decode: Callable[[list[int]], st
     stats = result.stats
     checks = (f", {stats.check_forwards} causal forwards, {stats.draft_checks} with drafts: kept "
               f"{stats.drafts_accepted} of {stats.drafts_proposed} (underlined: the causal head's token over a "
-              "rejected draft)" if stats.check_forwards else "")
+              f"rejected draft){_unpreviewed(stats)}" if stats.check_forwards else "")
     return ("".join(out) + f"\n\033[2msteps within a block: {legend}   ('|' marks a block boundary)   "
             f"{stats.generated_tokens} tokens, {stats.nfe} forwards, TPF {stats.tpf:.2f}{checks}\033[0m")
 
@@ -171,12 +172,17 @@ def trace_data(result: GenerationResult, prompt_text: str, decode: Callable[[lis
     return {"prompt": prompt_text, "steps": steps, "maxStep": max_step}
 
 
+def _unpreviewed(stats: GenerationStats) -> str:
+    n = stats.previews_skipped
+    return f"; {n} block{'s' * (n != 1)} decoded without a preview" if n else ""
+
+
 def write_trace_html(path: str | Path, result: GenerationResult, prompt_text: str,
                      decode: Callable[[list[int]], str]) -> None:
     data = trace_data(result, prompt_text, decode)
     s = result.stats
     checks = (f", {s.check_forwards} causal forwards, {s.draft_checks} with drafts, keeping {s.drafts_accepted} "
-              f"of {s.drafts_proposed}" if s.check_forwards else "")
+              f"of {s.drafts_proposed}{_unpreviewed(s)}" if s.check_forwards else "")
     summary = html.escape(f"{s.generated_tokens} tokens in {s.nfe} forwards ({s.preview_forwards} previews, "
                           f"{s.commit_forwards} commits{checks}), TPF {s.tpf:.2f}, {s.blocks} blocks.")
     page = _PAGE.replace("__SUMMARY__", summary).replace("__DATA__", json.dumps(data).replace("</", "<\\/"))
