@@ -2,7 +2,8 @@
 AdamW) for a few model shapes, AR and block-diffusion objectives, fp32 against bf16 autocast, with and
 without `torch.compile` of the loss, with and without flushing denormals. Random token batches (the
 data pipeline is not timed). Medians over repeats after warm-up, same process and threads.
-Prints its conditions, a table, and one JSON line last.
+The two warm-up steps also check that the loss and every gradient are finite (a fast step that does
+not train is not a speed). Prints its conditions, a table, and one JSON line last.
 
 FLOPs are counted as 6 x active parameters x tokens per stream (the noisy stream of the diffusion
 objective doubles the tokens), plus attention scores; the figure says how close a step comes to the
@@ -70,16 +71,19 @@ def bench(name: str, objective: str, dtype: str, compiled: bool, batch: int, seq
         loss_fn = torch.compile(compute_loss, dynamic=False)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
 
-    def one() -> None:
+    def one(check: bool = False) -> bool:
+        """One optimizer step; with `check`, whether the loss and every gradient were finite."""
         noises = sample_noise(eligible, config.block_size, obj, gen) if objective == "diffusion" else None
         with ctx:
             loss, _ = loss_fn(model, ids, eligible, lengths, obj, noises, denominators)
         loss.backward()
+        finite = not check or (bool(torch.isfinite(loss)) and all(
+            bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return finite
 
-    for _ in range(2):
-        one()
+    finite = all([one(check=True) for _ in range(2)])   # warm-up steps, checked (untimed)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -87,7 +91,7 @@ def bench(name: str, objective: str, dtype: str, compiled: bool, batch: int, seq
         times.append(time.perf_counter() - t0)
     sec = statistics.median(times)
     total, active = config.num_parameters()
-    return {"shape": name, "objective": objective, "dtype": dtype, "compile": compiled,
+    return {"shape": name, "objective": objective, "dtype": dtype, "compile": compiled, "finite_grads": finite,
             "params_total_m": total / 1e6, "params_active_m": active / 1e6, "seconds_per_step": sec,
             "tokens_per_s": batch * seq / sec, "gflops": step_flops(config, batch, seq, objective) / sec / 1e9}
 
@@ -119,7 +123,8 @@ def main() -> None:
                         print(f"{shape:15s} {objective:9s} {dtype:8s} compile={compiled!s:5s} flush={flush!s:5s} "
                               f"{r['params_total_m']:5.1f}M/{r['params_active_m']:4.1f}M  "
                               f"{r['seconds_per_step'] * 1000:8.1f} ms  {r['tokens_per_s']:8.0f} tok/s  "
-                              f"{r['gflops']:6.1f} GFLOP/s", flush=True)
+                              f"{r['gflops']:6.1f} GFLOP/s{'' if r['finite_grads'] else '  NaN/inf gradients'}",
+                              flush=True)
     torch.set_flush_denormal(False)
     print(json.dumps({"benchmark": "train", "batch": args.batch, "seq": args.seq, "rows": rows}))
 

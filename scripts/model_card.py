@@ -144,8 +144,9 @@ def main() -> None:
                   f"{bench['batch']} x {bench['seq']}, AdamW, median step after warm-up):", "",
                   "| objective | dtype | torch.compile | tokens/s | GFLOP/s |", "|---|---|---|---|---|"]
         for r in bench["rows"]:
+            bad = " (NaN/inf gradients)" if r.get("finite_grads") is False else ""
             lines.append(f"| {r['objective']} | {r['dtype']} | {'yes' if r['compile'] else 'no'} | "
-                         f"{r['tokens_per_s']:,.0f} | {r['gflops']:.0f} |")
+                         f"{r['tokens_per_s']:,.0f}{bad} | {r['gflops']:.0f} |")
         lines += ["", "The recipe trains in fp32 without compile (see the README for why)."]
     if sweep:
         c = sweep["conditions"]
