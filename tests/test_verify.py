@@ -2,8 +2,9 @@
 
 Greedy output equals `ar` token for token (random and shipped model, several check windows, mixed
 batches, prompt tails inside a block, stop tokens and stop strings inside a draft); poisoned drafts
-change nothing and the cache never holds a rejected draft; sampled output follows `ar`'s
-distribution; a check followed by a keep leaves the cache a prefill of the kept tokens would.
+change nothing and the cache never holds a rejected draft; blocks decoded without a preview equal
+`ar` too; sampled output follows `ar`'s distribution; a check followed by a keep leaves the cache a
+prefill of the kept tokens would.
 """
 
 import copy
