@@ -49,6 +49,22 @@ def test_chunked_equals_recurrent_forward_and_backward(t):
         assert_close(a, b, atol=5e-5, rtol=1e-5, what=f"grad {name}")
 
 
+def test_chunked_runs_in_fp32_under_bf16_autocast():
+    """Its products stay fp32 under autocast (outputs and gradients bit-equal to no autocast), with
+    decays as steep as clover-tiny's init (down to exp(-28) per step, underflowing within a chunk)."""
+    xs = _inputs(2, 3 * CHUNK + 1, 3, 8, 5, requires_grad=True)
+    with torch.no_grad():
+        xs[3].mul_(14.0)
+    results = []
+    for enabled in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            o, s, _ = delta_rule_chunked(*xs, chunk_size=CHUNK)
+        results.append((o, s, *torch.autograd.grad(o.square().sum() + s.sum(), xs)))
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_chunk_states_are_the_states_at_every_boundary():
     q, k, v, g, beta, s0 = _inputs(2, 3 * CHUNK + 2, 2, 4, 3)
     _, _, states = delta_rule_chunked(q, k, v, g, beta, s0, chunk_size=CHUNK, return_chunk_states=True)

@@ -70,7 +70,18 @@ def delta_rule_chunked(
     written rows w_s solve (I + A) W = beta * (V - exp(G) K S0), A_sr = beta_s exp(G_s - G_r) k_s.k_r
     for r < s; then o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t.k_s) w_s and
     S_end = exp(G_C) S0 + sum_s exp(G_C - G_s) k_s w_s^T.
+
+    It runs in fp32 under autocast too (its products would otherwise be cast to bf16): compiled under
+    bf16 autocast, its backward gave NaN gradients where the decays underflow (per-step log decays of
+    -3 to -28 at clover-tiny's init), which eager bf16 and compiled fp32 do not.
     """
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunked(q, k, v, g, beta, state, chunk_size, return_chunk_states, return_written)
+
+
+def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor | None, chunk_size: int, return_chunk_states: bool, return_written: bool
+             ) -> tuple[torch.Tensor, ...]:
     n, t_len, h, dk = k.shape
     dv = v.shape[-1]
     c = chunk_size
