@@ -379,9 +379,7 @@ class VerifyPolicy(_Blocks):
         if trail is not None:
             engine.keep(seqs, trail, counts)
         if key is not None:
-            if dev.type == "cuda":   # kernels run asynchronously: time them, not their launch
-                torch.cuda.synchronize(dev)
-            self.seconds.setdefault(key, deque(maxlen=8)).append(time.perf_counter() - t0)
+            self._record(key, t0, dev)
         done = []
         for s, kept in zip(seqs, counts, strict=True):
             s.cached += kept
@@ -393,6 +391,13 @@ class VerifyPolicy(_Blocks):
                 done.append(s)
         if done:
             self.next_block(engine, done, events, n)
+
+    def _record(self, key: tuple, t0: float, dev: torch.device) -> None:
+        """Keep the time since t0 among the last 8 of `key` (on CUDA after the kernels finish: they run
+        asynchronously, and their launch is not their cost)."""
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.seconds.setdefault(key, deque(maxlen=8)).append(time.perf_counter() - t0)
 
     def preview_worth(self, s: SequenceState, n: int, k: int, compiled: bool = False) -> bool:
         """Whether to preview this sequence's next block (`n` sequences step together, `k` finish a block
@@ -449,9 +454,7 @@ class VerifyPolicy(_Blocks):
         if commit:
             t0 = time.perf_counter()
             self.commit(engine, commit, events)
-            if engine.model.device.type == "cuda":
-                torch.cuda.synchronize(engine.model.device)
-            self.seconds.setdefault(("preview", len(commit)), deque(maxlen=8)).append(time.perf_counter() - t0)
+            self._record(("preview", len(commit)), t0, engine.model.device)
         rest = [s for s in seqs if s not in commit]
         for s in rest:
             s.pos += len(s.block)
