@@ -18,7 +18,8 @@ import torch
 from clover.engine.engine import Engine
 from clover.engine.policies import VerifyPolicy
 from clover.engine.sampling import SamplingParams
-from clover.engine.sequence import SequenceState
+from clover.engine.sequence import NO_DRAFT, SequenceState
+from clover.engine.trace import trace_data
 from clover.model.checkpoint import load_checkpoint
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
@@ -444,6 +445,51 @@ def test_blocks_without_a_preview_equal_ar_and_leave_the_cache_a_prefill(model, 
         assert any(policy.left_behind)
     else:        # every draft kept: the last check predicted the next block's first slot
         assert not any(policy.left_behind)
+
+
+@pytest.mark.parametrize("skipped", [True, False])
+def test_a_stop_on_a_blocks_first_slot_still_counts_the_block(model, skipped):
+    """A block whose first slot is filled from the check before it (every draft kept) and is a stop
+    token ends the sequence with no step of its own: that block is counted, previewed or not."""
+    prompt = _prompts()[0]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, algorithm="verify")
+    truth = Engine(model).generate([prompt], params.with_(algorithm="ar"))[0].token_ids
+    b = model.config.block_size
+    # the first slots of generated blocks that EveryOtherPreview previews (even index) or not (odd)
+    first = [k for k in range(1, len(truth)) if (len(prompt) + k) % b == 0 and truth[k] not in truth[:k]
+             and (len(prompt) + k) // b % 2 == int(skipped)]
+    k = first[0]
+    stop = params.with_(stop_token_ids=(truth[k],))
+    policy = EveryOtherPreview(truth, len(prompt), model.config.vocab_size, 4, poison=False)
+    result = Engine(model, policies={"verify": policy}).generate([prompt], stop)[0]
+    assert result.token_ids == truth[:k] and result.finish_reason == "stop"   # the stop token is not output
+    st = result.stats
+    assert st.previews_skipped == len(policy.left_behind) >= int(skipped)
+    assert st.preview_forwards + st.commit_forwards + st.previews_skipped == st.blocks
+    assert st.blocks == (len(prompt) + k) // b - len(prompt) // b + 1
+
+
+def test_the_trace_of_a_block_without_a_preview_shows_no_drafts(model):
+    """The slots of a block decoded by `ar` steps have no draft: recorded as NO_DRAFT at confidence 0,
+    shown as such by the trace page, never as the mask token at full confidence."""
+    prompt = _prompts()[0]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, algorithm="verify", record_steps=True)
+    truth = Engine(model).generate([prompt], params.with_(algorithm="ar"))[0].token_ids
+    policy = EveryOtherPreview(truth, len(prompt), model.config.vocab_size, 4, poison=True)
+    result = Engine(model, policies={"verify": policy}).generate([prompt], params)[0]
+    assert result.stats.previews_skipped >= 1
+    data = trace_data(result, "", lambda ids: " ".join(map(str, ids)))
+    started = len(prompt) // model.config.block_size   # the block of the prompt's tail, previewed by the prefill
+    plain = [(rec, step) for rec, step in zip(result.trace, data["steps"], strict=True)
+             if rec.block > started and rec.block % 2 == 1]
+    assert plain
+    assert any(model.config.mask_token_id in rec.tokens for rec, _ in plain)
+    for rec, step in plain:
+        unknown = [i for i, t in enumerate(rec.tokens) if t == model.config.mask_token_id]
+        assert all(rec.draft[i] == NO_DRAFT and rec.confidence[i] == 0.0 and not step["drafted"][i] for i in unknown)
+        assert all(str(model.config.mask_token_id) not in step["pieces"][i] for i in unknown)
+    previewed = [rec for rec in result.trace if rec.block % 2 == 0 or rec.block == started]
+    assert previewed and all(NO_DRAFT not in rec.draft for rec in previewed)
 
 
 def test_a_block_is_previewed_when_its_drafts_save_more_than_the_preview_costs():

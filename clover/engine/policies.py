@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from clover.engine.sampling import pick_tokens, sample_from, token_distribution, verify_drafts
-from clover.engine.sequence import Event, SequenceState, StepRecord
+from clover.engine.sequence import NO_DRAFT, Event, SequenceState, StepRecord
 
 if TYPE_CHECKING:
     from clover.engine.engine import Engine
@@ -448,7 +448,7 @@ class VerifyPolicy(_Blocks):
             else:
                 s.cached = s.pos
                 with engine.isolated(s, events):
-                    self._check(engine, s, s.carry[None], 0, events)
+                    self._first_slot(engine, s, s.carry, events)
         seqs = [s for s in seqs if s not in plain]
         commit = [s for s in seqs if s.cached < s.pos + len(s.block)]
         if commit:
@@ -478,7 +478,13 @@ class VerifyPolicy(_Blocks):
         s.cached = s.pos
         self._draft(engine, s, logits)
         if s.fixed == 0:
-            self._check(engine, s, carry[None], 0, events)
+            self._first_slot(engine, s, carry, events)
+
+    def _first_slot(self, engine: Engine, s: SequenceState, carry: torch.Tensor, events: list[Event]) -> None:
+        """Fill the block's first slot from the causal logits `carry` [V] that predict it; a sequence that
+        ends there (a stop) ends in this block, which no step of its own will count."""
+        self._check(engine, s, carry[None], 0, events)
+        s.stats.blocks += int(s.finish_reason is not None)
 
     def _draft(self, engine: Engine, s: SequenceState, logits: torch.Tensor) -> None:
         """Draft the unresolved slots from preview logits [S,V]: argmax, or a sample whose distribution
@@ -530,10 +536,10 @@ class VerifyPolicy(_Blocks):
         s.block_steps[j:stop] = [s.step] * len(tokens)
         s.stats.drafts_proposed += m
         s.stats.drafts_accepted += kept
-        if s.params.record_steps:
-            draft = torch.where(s.resolved, s.block, engine.config.mask_token_id if s.drafts is None else s.drafts)
+        if s.params.record_steps:   # a block without a preview has no drafts: NO_DRAFT, confidence 0
+            draft = torch.where(s.resolved, s.block, NO_DRAFT if s.drafts is None else s.drafts)
             draft[j:end] = drafts
-            conf = torch.ones(len(s.block))
+            conf = torch.where(s.resolved | (s.drafts is not None), 1.0, 0.0).float().cpu()
             if probs is not None:
                 conf[j:end] = probs.gather(-1, drafts[:, None]).squeeze(-1).float().cpu()
             s.trace.append(StepRecord(

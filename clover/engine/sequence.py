@@ -45,6 +45,9 @@ class GenerationStats:
         return {**asdict(self), "nfe": self.nfe, "tpf": self.tpf, "tokens_per_s": self.tokens_per_s}
 
 
+NO_DRAFT = -1   # StepRecord.draft of a slot nothing predicted (a `verify` block decoded without a preview)
+
+
 @dataclass
 class StepRecord:
     """One denoising step of one block (kept when `record_steps` is set)."""
@@ -54,7 +57,7 @@ class StepRecord:
     start: int                # absolute position of the block's first slot
     fixed: int                # leading slots holding prompt tokens
     tokens: list[int]         # the block after this step (mask id where still unknown)
-    draft: list[int]          # this step's prediction at every slot (resolved slots keep their token)
+    draft: list[int]          # this step's prediction at every slot (resolved slots keep their token; NO_DRAFT)
     confidence: list[float]   # confidence of each prediction (1.0 for resolved slots)
     accepted: list[int]       # slots accepted at this step (end-of-sequence fill included)
     rejected: list[int] = field(default_factory=list)  # verify: the slot whose draft the causal head replaced

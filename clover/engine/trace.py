@@ -13,7 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from clover.engine.engine import GenerationResult
-from clover.engine.sequence import GenerationStats
+from clover.engine.sequence import NO_DRAFT, GenerationStats
+
+_NO_DRAFT_PIECE = "\u00b7"   # shown for a slot with no draft
 
 # 256-colour ramp from early (blue) to late (red) steps
 _RAMP = [33, 39, 45, 51, 50, 49, 48, 82, 118, 154, 190, 226, 220, 214, 208, 202, 196]
@@ -124,7 +126,8 @@ function show(n){
             + ` title="accepted at step ${acc - s.firstStep + 1} of block ${b}${esc(why)}">${esc(p)}</span>`;
       } else {
         out += `<span class="tok draft" style="opacity:${0.25 + 0.75 * s.conf[i]}" `
-            + `title="draft, confidence ${s.conf[i].toFixed(2)}">${esc(p)}</span>`;
+            + `title="${s.drafted[i] ? 'draft, confidence ' + s.conf[i].toFixed(2)
+                      : 'no draft: a block decoded without a preview'}">${esc(p)}</span>`;
       }
     });
   }
@@ -165,7 +168,9 @@ def trace_data(result: GenerationResult, prompt_text: str, decode: Callable[[lis
         steps.append({
             "block": rec.block, "fixed": rec.fixed, "firstStep": first_step[rec.block], "accepted": rec.accepted,
             "acceptedAt": list(at), "conf": [round(c, 3) for c in rec.confidence], "fixedBy": list(fixes),
-            "pieces": [decode([t if k else d]) for t, d, k in zip(rec.tokens, rec.draft, known, strict=True)],
+            "pieces": [decode([t]) if k else _NO_DRAFT_PIECE if d == NO_DRAFT else decode([d])
+                       for t, d, k in zip(rec.tokens, rec.draft, known, strict=True)],
+            "drafted": [d != NO_DRAFT for d in rec.draft],
         })
     max_step = max((s["acceptedAt"][i] - s["firstStep"] + 1 for s in steps for i in range(len(s["acceptedAt"]))
                     if s["acceptedAt"][i]), default=1)
