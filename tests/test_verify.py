@@ -516,6 +516,16 @@ def test_a_block_is_previewed_when_its_drafts_save_more_than_the_preview_costs()
     # where one of 4 sequences needs its own preview forward (0.040 in full)
     policy.seconds[(0, 4)], policy.seconds[(4, 4)] = deque([0.010]), deque([0.020])
     assert policy.preview_worth(seq(0.59), 1, 1) and not policy.preview_worth(seq(0.59), 4, 1)
+    # the same where the last check kept every draft (the block's tokens are all in the cache): the preview
+    # is a forward of its own, timed apart, and saves no step: not worth at 0.040, worth at 0.030
+    alone = seq(0.59)
+    alone.block, alone.pos, alone.cached = torch.zeros(32, dtype=torch.long), 0, 32
+    assert policy.preview_worth(alone, 1, 1)                         # not measured yet: preview
+    policy.seconds[("preview alone", 1)] = deque([0.040])
+    assert not policy.preview_worth(alone, 1, 1)
+    policy.seconds[("preview alone", 1)] = deque([0.030])
+    alone.skipped = 0
+    assert policy.preview_worth(alone, 1, 1)
     assert policy.preview_worth(seq(0.1, temperature=0.8), 1, 1)     # sampled: always (seeded tokens)
     assert VerifyPolicy(cost_ratio=0).preview_worth(seq(0.0), 1, 1)
     fixed = VerifyPolicy(window=4, cost_ratio=1.7)

@@ -401,9 +401,10 @@ class VerifyPolicy(_Blocks):
 
     def preview_worth(self, s: SequenceState, n: int, k: int, compiled: bool = False) -> bool:
         """Whether to preview this sequence's next block (`n` sequences step together, `k` finish a block
-        now). A preview costs a forward over the block's positions, the commit of the last token fused in
-        (`k` rows), where an `ar` step would have served; its drafts pay when the checks they make
-        worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the time of a step, t that of
+        now). A preview costs a forward over the block's positions (`k` rows), fused with the commit of
+        the block's last token where that one waits for the cache (less the `ar` step the fused logits
+        save when the whole batch previews), else a forward of its own (timed apart); its drafts pay when
+        the checks they make worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the time of a step, t that of
         the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose preview does not pay
         are decoded by `ar` steps; after 1, 2, 4, then 8 such blocks in a row one is previewed again (a
         probe), so that the estimate p follows the text. Sampled requests and `cost_ratio` 0 preview
@@ -413,7 +414,12 @@ class VerifyPolicy(_Blocks):
         if self.cost_ratio is not None:
             worth = self.expected(s.draft_hit, self.window) > self.cost_ratio
         else:
-            step, preview = self.seconds.get((0, n)), self.seconds.get(("preview", k))
+            # the block's last verified token waits for the cache: its commit carries the preview, and its
+            # logits give the first slot, which a block without a preview takes an `ar` step for (a step of
+            # the batch saved if the whole batch previews now); else the preview is a forward of its own
+            # and the check before it predicted the first slot anyway
+            fused = s.block is None or s.cached < s.pos + len(s.block)
+            step, preview = self.seconds.get((0, n)), self.seconds.get(("preview" if fused else "preview alone", k))
             if not step or not preview:
                 return True                                   # not measured yet: preview (and measure)
             t0 = min(step)
@@ -422,7 +428,7 @@ class VerifyPolicy(_Blocks):
             if not rates:
                 return True
             left = min(s.block_size, s.params.max_new_tokens - len(s.generated))
-            worth = left * (t0 - 1 / max(rates)) > min(preview) - (t0 if k == n else 0.0)
+            worth = left * (t0 - 1 / max(rates)) > min(preview) - (t0 if fused and k == n else 0.0)
         if worth or s.skipped >= s.skip_limit:
             s.skip_limit = 1 if worth else min(2 * s.skip_limit, 8)
             s.skipped = 0
@@ -460,8 +466,10 @@ class VerifyPolicy(_Blocks):
             s.pos += len(s.block)
             self.start_block(engine, s)
         if rest:
+            t0 = time.perf_counter()
             logits = engine.forward(rest, "preview", engine.pad([s.block for s in rest], engine.config.mask_token_id),
                                     [len(s.block) for s in rest])
+            self._record(("preview alone", len(rest)), t0, engine.model.device)
             for s, lg in zip(rest, logits, strict=True):
                 s.stats.preview_forwards += 1
                 with engine.isolated(s, events):
