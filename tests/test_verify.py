@@ -404,7 +404,7 @@ class EveryOtherPreview(VerifyPolicy):
     def preview_worth(self, s, n, k, compiled=False):
         worth = (s.pos // s.block_size + 1) % 2 == 0      # the next block's index
         if not worth:
-            self.left_behind.append(s.cached < s.pos + len(s.block))
+            self.left_behind.append(self.waiting(s))
         return worth
 
     def _draft(self, engine, s, logits):
@@ -496,6 +496,7 @@ def test_a_block_is_previewed_when_its_drafts_save_more_than_the_preview_costs()
     def seq(p, **params):
         s = SequenceState("r", [1], SamplingParams(**params), 32, torch.Generator(), torch.zeros(4), 0.0)
         s.draft_hit = p
+        s.block, s.pos, s.cached = torch.zeros(32, dtype=torch.long), 0, 31   # its last token waits for the cache
         return s
 
     policy = VerifyPolicy(window=4)
@@ -519,7 +520,7 @@ def test_a_block_is_previewed_when_its_drafts_save_more_than_the_preview_costs()
     # the same where the last check kept every draft (the block's tokens are all in the cache): the preview
     # is a forward of its own, timed apart, and saves no step: not worth at 0.040, worth at 0.030
     alone = seq(0.59)
-    alone.block, alone.pos, alone.cached = torch.zeros(32, dtype=torch.long), 0, 32
+    alone.cached = 32                                                # the whole block is in the cache
     assert policy.preview_worth(alone, 1, 1)                         # not measured yet: preview
     policy.seconds[("preview alone", 1)] = deque([0.040])
     assert not policy.preview_worth(alone, 1, 1)

@@ -399,13 +399,19 @@ class VerifyPolicy(_Blocks):
             torch.cuda.synchronize(dev)
         self.seconds.setdefault(key, deque(maxlen=8)).append(time.perf_counter() - t0)
 
+    @staticmethod
+    def waiting(s: SequenceState) -> bool:
+        """Whether the finished block's last verified token is not in the cache yet (its commit can carry
+        the next block's preview); else the check that ended the block kept every draft."""
+        return s.cached < s.pos + len(s.block)
+
     def preview_worth(self, s: SequenceState, n: int, k: int, compiled: bool = False) -> bool:
         """Whether to preview this sequence's next block (`n` sequences step together, `k` finish a block
         now). A preview costs a forward over the block's positions (`k` rows), fused with the commit of
         the block's last token where that one waits for the cache (less the `ar` step the fused logits
-        save when the whole batch previews), else a forward of its own (timed apart); its drafts pay when
-        the checks they make worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the time of a step, t that of
-        the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose preview does not pay
+        save when the whole batch previews), else a forward of its own (timed apart); its drafts pay
+        when the checks they make worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the
+        time of a step, t that of the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose preview does not pay
         are decoded by `ar` steps; after 1, 2, 4, then 8 such blocks in a row one is previewed again (a
         probe), so that the estimate p follows the text. Sampled requests and `cost_ratio` 0 preview
         every block; a fixed `cost_ratio` previews iff a full check would pay."""
@@ -418,7 +424,7 @@ class VerifyPolicy(_Blocks):
             # logits give the first slot, which a block without a preview takes an `ar` step for (a step of
             # the batch saved if the whole batch previews now); else the preview is a forward of its own
             # and the check before it predicted the first slot anyway
-            fused = s.block is None or s.cached < s.pos + len(s.block)
+            fused = self.waiting(s)
             step, preview = self.seconds.get((0, n)), self.seconds.get(("preview" if fused else "preview alone", k))
             if not step or not preview:
                 return True                                   # not measured yet: preview (and measure)
@@ -456,7 +462,7 @@ class VerifyPolicy(_Blocks):
                 with engine.isolated(s, events):
                     self._first_slot(engine, s, s.carry, events)
         seqs = [s for s in seqs if s not in plain]
-        commit = [s for s in seqs if s.cached < s.pos + len(s.block)]
+        commit = [s for s in seqs if self.waiting(s)]
         if commit:
             t0 = time.perf_counter()
             self.commit(engine, commit, events)
@@ -547,7 +553,7 @@ class VerifyPolicy(_Blocks):
         if s.params.record_steps:   # a block without a preview has no drafts: NO_DRAFT, confidence 0
             draft = torch.where(s.resolved, s.block, NO_DRAFT if s.drafts is None else s.drafts)
             draft[j:end] = drafts
-            conf = torch.where(s.resolved | (s.drafts is not None), 1.0, 0.0).float().cpu()
+            conf = torch.ones(len(s.block)) if s.drafts is not None else s.resolved.float().cpu()
             if probs is not None:
                 conf[j:end] = probs.gather(-1, drafts[:, None]).squeeze(-1).float().cpu()
             s.trace.append(StepRecord(
