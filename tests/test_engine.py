@@ -180,3 +180,31 @@ def test_incremental_text_equals_a_full_decode_at_every_split():
         assert result.text == text[: text.index(stop)] and result.finish_reason == "stop"
         k = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
         assert result.token_ids == ids[:k]
+
+
+def test_greedy_picks_the_first_largest_finite_logit_with_or_without_its_confidence():
+    """The greedy pick takes one reduction when every row's maximum is finite and the general path else:
+    NaN is never chosen, +inf is the largest value (the first of several), a row with nothing allowed
+    is an error; the confidence is the chosen token's softmax probability, or None when not asked for."""
+    import math
+
+    import torch
+
+    from clover.engine.sampling import pick_tokens, token_distribution
+
+    inf, nan = math.inf, math.nan
+    greedy = SamplingParams(max_new_tokens=1)
+    rows = torch.tensor([[0.0, 2.0, 2.0, 1.0],     # equal maxima: the first
+                         [nan, 1.0, 3.0, nan],     # NaN is not a candidate
+                         [1.0, inf, 0.0, inf],     # +inf: the first of them
+                         [-inf, -inf, 5.0, -inf]])
+    counts = torch.zeros(4)
+    tokens, conf = pick_tokens(rows, greedy, counts, None)
+    assert tokens.tolist() == [1, 2, 1, 2]
+    assert torch.allclose(conf[[0, 3]], torch.tensor([torch.softmax(rows[0], -1)[1], 1.0]))
+    assert torch.allclose(conf[1], torch.softmax(torch.tensor([-inf, 1.0, 3.0, -inf]), -1)[2])
+    no_conf = pick_tokens(rows, greedy, counts, None, confidence=False)
+    assert no_conf[1] is None and no_conf[0].tolist() == tokens.tolist()
+    assert token_distribution(rows, greedy, counts).argmax(-1).tolist() == tokens.tolist()
+    with pytest.raises(ValueError, match="no token is allowed"):
+        pick_tokens(torch.tensor([[0.0, 1.0], [-inf, -inf]]), greedy, torch.zeros(2), None, confidence=False)

@@ -116,10 +116,10 @@ def test_a_failing_request_ends_alone_and_the_batch_goes_on(sharp_model, monkeyp
 
     real = clover.engine.policies.pick_tokens
 
-    def poisoned(logits, params, counts, generator):  # fails inside every policy's own code, for seed 666
+    def poisoned(logits, params, counts, generator, **kw):  # fails inside every policy's own code, for seed 666
         if params.seed == 666 and counts.sum() >= 2:
             raise RuntimeError("poisoned")
-        return real(logits, params, counts, generator)
+        return real(logits, params, counts, generator, **kw)
 
     monkeypatch.setattr(clover.engine.policies, "pick_tokens", poisoned)
     algs = ["ar", "verify", "low_confidence", "verify", "ar", "low_confidence", "verify", "ar"]

@@ -336,7 +336,7 @@ def test_each_forward_checks_the_number_of_drafts_that_yields_the_most_tokens_pe
 
     def seq(p, left=8, **params):
         s = SequenceState("r", [1], SamplingParams(**params), 8, torch.Generator(), torch.zeros(4), 0.0)
-        s.block, s.resolved = torch.zeros(8, dtype=torch.long), torch.arange(8) < 8 - left
+        s.block, s.resolved, s.verified = torch.zeros(8, dtype=torch.long), torch.arange(8) < 8 - left, 8 - left
         s.drafts, s.draft_hit = torch.ones(8, dtype=torch.long), p
         return s
 

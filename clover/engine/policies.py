@@ -74,7 +74,7 @@ class AutoRegressive:
         s.step += 1
         logits = engine.mask_out(logits[None])
         allowed = engine.hold_stops(s, logits if s.matcher is None else s.matcher.mask(logits), len(s.generated))
-        token, _ = pick_tokens(allowed, s.params, s.counts, s.generator)
+        token, _ = pick_tokens(allowed, s.params, s.counts, s.generator, confidence=False)
         t = int(token[0])
         if s.matcher is not None:
             s.matcher.consume([t])
@@ -90,7 +90,7 @@ class _Blocks:
         fixed = max(len(s.prompt) - s.pos, 0)  # the prompt tail, inside the first block only
         room = min(s.block_size - fixed, s.params.max_new_tokens - len(s.generated))
         dev = engine.model.device
-        s.fixed = fixed
+        s.fixed = s.verified = fixed
         s.block = torch.full((fixed + room,), engine.config.mask_token_id, dtype=torch.long, device=dev)
         s.resolved = torch.zeros(fixed + room, dtype=torch.bool, device=dev)
         if fixed:
@@ -315,7 +315,7 @@ class VerifyPolicy(_Blocks):
             worth = any(self.expected(s.draft_hit, self.window) > self.cost_ratio for s in seqs)
             return self.window if worth else 0
         n, best, best_rate = len(seqs), 0, 0.0
-        left = [0 if s.drafts is None else len(s.block) - int(s.resolved.sum()) for s in seqs]
+        left = [0 if s.drafts is None else len(s.block) - s.verified for s in seqs]
         for m in self.choices if not compiled else (0, self.window):
             times = self.seconds.get((m, n), ())
             if len(times) < 2:
@@ -337,16 +337,16 @@ class VerifyPolicy(_Blocks):
         chosen = self.drafts_to_check(seqs, engine.model.decode_compiled)   # one forward serves the batch
         inputs, pending, drafted = [], [], []
         for s in seqs:
-            j = int(s.resolved.sum())                        # slots < j are verified (a prefix)
+            j = s.verified                                   # slots < j are verified
             p = s.pos + j - s.cached                         # verified, not yet in the cache (>= 1)
-            verified = s.block[:j] if s.behind is None else torch.cat([s.behind, s.block[:j]])
+            pend = s.block[j - p: j] if p <= j else torch.cat([s.behind[len(s.behind) - p + j:], s.block[:j]])
             if s.drafts is None:                             # a block without a preview: `ar` steps
-                inputs.append(verified[len(verified) - p:])
+                inputs.append(pend)
                 pending.append(p)
                 drafted.append(0)
                 continue
             m = min(chosen, len(s.block) - j)                # drafts checked
-            inputs.append(torch.cat([verified[len(verified) - p:], s.drafts[j: j + m]]))
+            inputs.append(torch.cat([pend, s.drafts[j: j + m]]) if m else pend)
             pending.append(p)
             drafted.append(m)
         lengths = [len(x) for x in inputs]
@@ -369,7 +369,7 @@ class VerifyPolicy(_Blocks):
             s.stats.draft_checks += int(m > 0)
             with engine.isolated(s, events):
                 preds = logits[i, p - 1: p + m]              # row t predicts the slot after it
-                if int(s.resolved.sum()) + m == len(s.block):
+                if s.verified + m == len(s.block):
                     s.carry = preds[m].clone()               # the next block's first slot
                     preds = preds[:m]
                 # (a block of one slot is full before its first check: the forward only commits)
@@ -385,7 +385,7 @@ class VerifyPolicy(_Blocks):
             s.cached += kept
             if s.behind is not None and s.cached >= s.pos:
                 s.behind = None
-            full = bool(s.resolved.all())
+            full = s.verified == len(s.block)
             s.stats.blocks += int(full or s.finish_reason is not None)
             if s.finish_reason is None and full:
                 done.append(s)
@@ -507,7 +507,7 @@ class VerifyPolicy(_Blocks):
         lg = engine.mask_out(logits[masked])
         s.drafts = s.block.clone()
         if s.params.greedy:
-            s.drafts[masked] = pick_tokens(lg, s.params, s.counts, s.generator)[0]
+            s.drafts[masked] = pick_tokens(lg, s.params, s.counts, s.generator, confidence=False)[0]
             s.draft_probs = None
         else:
             probs = token_distribution(lg, s.params, s.counts)                    # [M,V]
@@ -519,7 +519,7 @@ class VerifyPolicy(_Blocks):
         """Keep the drafts of slots j .. j+m-1 that the causal head agrees with (j: the first unverified
         slot), given the causal logits `preds` [m or m+1, V] that predict slots j .. When all are kept and
         a row predicts slot j+m, the causal head's own token for it follows. Returns the drafts kept."""
-        j = int(s.resolved.sum())
+        j = s.verified
         end = j + m
         drafts = s.block[j:j] if s.drafts is None else s.drafts[j:end]   # (none in a block without a preview)
         preds = raw = engine.mask_out(preds)
@@ -531,7 +531,7 @@ class VerifyPolicy(_Blocks):
         probs = None if s.draft_probs is None else s.draft_probs[j:end]
         tokens, kept = verify_drafts(preds[:m], drafts, probs, s.params, s.counts, s.generator)
         if kept == m and len(preds) > m:                       # every draft kept: the causal head goes on
-            t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator)[0][0])  # as `ar` picks
+            t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator, confidence=False)[0][0])  # as `ar`
             tokens.append(t)
             s.counts[t] += 1
         # drafts kept, then the one rejected; unchecked, whether the causal head's pick equals the draft
@@ -547,6 +547,7 @@ class VerifyPolicy(_Blocks):
         stop = j + len(tokens)
         s.block[j:stop] = torch.tensor(tokens, device=s.block.device)
         s.resolved[j:stop] = True
+        s.verified = stop
         s.block_steps[j:stop] = [s.step] * len(tokens)
         s.stats.drafts_proposed += m
         s.stats.drafts_accepted += kept

@@ -152,7 +152,7 @@ def token_distribution(logits: torch.Tensor, params: SamplingParams, counts: tor
     top-k and top-p; at temperature 0 a one-hot on the argmax. Returns probabilities [M,V] in fp32."""
     logits = _finite(apply_penalties(logits.float(), counts, params))
     if params.greedy:  # the argmax exactly as pick_tokens takes it
-        return torch.zeros_like(logits).scatter_(-1, torch.softmax(logits, -1).argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = _filter_top_k_top_p(_finite(logits / params.temperature), params.top_k, params.top_p)
     return torch.softmax(logits, dim=-1)
 
@@ -168,18 +168,31 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
 
 
-def pick_tokens(
-    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Penalties, then argmax (temperature 0) or a sample. Returns (tokens [M], confidence [M]):
-    the probability of the chosen token under the distribution it was drawn from. A row in which every
-    token is excluded (-inf) is an error, never a uniform draw."""
+def _nothing_allowed(logits: torch.Tensor) -> None:
     if not bool(torch.isfinite(logits).any(-1).all()):
         raise ValueError("no token is allowed at this position (a grammar, min_tokens or logit_bias excludes all)")
+
+
+def pick_tokens(
+    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, generator: torch.Generator | None,
+    confidence: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Penalties, then argmax (temperature 0; the first of equal maxima) or a sample. Returns (tokens [M],
+    confidence [M]): the probability of the chosen token under the distribution it was drawn from (None
+    at temperature 0 when `confidence` is False: the `ar` and `verify` decoders take the argmax alone,
+    which costs one reduction instead of a softmax and a check of every logit). A row in which every
+    token is excluded (-inf) is an error, never a uniform draw."""
     if params.greedy:
-        probs = torch.softmax(_finite(apply_penalties(logits.float(), counts, params)), dim=-1)
-        conf, tokens = probs.max(dim=-1)
-        return tokens, conf
+        scores = apply_penalties(logits.float(), counts, params)
+        best, tokens = scores.max(dim=-1)
+        if not bool(torch.isfinite(best).all()):   # NaN or +inf in a row, or no token allowed
+            _nothing_allowed(logits)
+            scores = _finite(scores)
+            best, tokens = scores.max(dim=-1)
+        if not confidence:
+            return tokens, None
+        return tokens, torch.softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    _nothing_allowed(logits)
     probs = token_distribution(logits, params, counts)
     tokens = sample_from(probs, generator)
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
@@ -224,7 +237,7 @@ def verify_drafts(
     if m == 0:
         return [], 0
     if params.greedy and not _has_penalties(params):
-        picks = pick_tokens(logits, params, counts, generator)[0]                  # [M]
+        picks = pick_tokens(logits, params, counts, generator, confidence=False)[0]  # [M]
         agree = (picks == drafts).int()
         kept = int(agree.cumprod(0).sum())
         tokens = drafts[:kept].tolist() + ([int(picks[kept])] if kept < m else [])

@@ -136,6 +136,7 @@ class SequenceState:
     draft_probs: torch.Tensor | None = None
     carry: torch.Tensor | None = None
     cached: int = 0
+    verified: int = 0                          # verified slots of the block (a prefix; `resolved` as a count)
     behind: torch.Tensor | None = None
     draft_hit: float = 0.5                     # running estimate of how often a draft is kept
     skipped: int = 0                           # previews skipped in a row
