@@ -208,3 +208,34 @@ def test_greedy_picks_the_first_largest_finite_logit_with_or_without_its_confide
     assert token_distribution(rows, greedy, counts).argmax(-1).tolist() == tokens.tolist()
     with pytest.raises(ValueError, match="no token is allowed"):
         pick_tokens(torch.tensor([[0.0, 1.0], [-inf, -inf]]), greedy, torch.zeros(2), None, confidence=False)
+
+
+def test_the_batchs_plain_argmax_equals_the_pick_one_by_one_and_leaves_the_rest_to_it():
+    """`Engine.greedy_picks`: one reduction for the rows whose pick is a plain argmax (the mask token
+    excluded), the same token `pick_tokens` takes for them; None for a row with a penalty, a logit bias,
+    a grammar, a stop held back by min_tokens, logprobs, sampling, or a maximum that is not finite."""
+    import math
+
+    import torch
+
+    from clover.engine.sampling import pick_tokens
+    from clover.engine.sequence import SequenceState
+
+    engine = Engine(ScriptedModel())
+    v, mask = engine.config.vocab_size, engine.config.mask_token_id
+    logits = torch.randn(10, v, generator=torch.Generator().manual_seed(0))
+    logits[0, mask] = 50.0                  # the mask token is never picked
+    logits[1, 5] = logits[1, 7] = 40.0      # equal maxima: the first
+    logits[8, 3] = math.nan                 # not finite: left to the one-by-one pick
+    plain = SamplingParams(max_new_tokens=8)
+    params = [plain, plain, plain.with_(presence_penalty=0.5), plain.with_(logit_bias=((4, 2.0),)),
+              plain.with_(min_tokens=3), plain.with_(logprobs=2), plain.with_(temperature=0.7, seed=1), plain.with_(min_tokens=2), plain, plain]
+    seqs = [SequenceState(f"r{i}", [1], p, 8, torch.Generator(), torch.zeros(v), 0.0) for i, p in enumerate(params)]
+    seqs[7].generated = [1, 2, 3]           # past its min_tokens: nothing held back, plain
+    seqs[9].matcher = object()              # a grammar (only its presence matters here)
+    picks = engine.greedy_picks(seqs, logits)
+    assert picks[2:7] == [None] * 5 and picks[8] is None and picks[9] is None
+    assert picks[1] == 5 and picks[0] != mask
+    for i in (0, 1, 7):
+        want = pick_tokens(engine.mask_out(logits[i: i + 1]), plain, torch.zeros(v), None)[0]
+        assert picks[i] == int(want[0])

@@ -112,16 +112,14 @@ def test_degenerate_sampling_values_decode_instead_of_failing(sharp_model):
 
 
 def test_a_failing_request_ends_alone_and_the_batch_goes_on(sharp_model, monkeypatch):
-    import clover.engine.policies
+    real = Engine.emit
 
-    real = clover.engine.policies.pick_tokens
-
-    def poisoned(logits, params, counts, generator, **kw):  # fails inside every policy's own code, for seed 666
-        if params.seed == 666 and counts.sum() >= 2:
+    def poisoned(self, s, *args, **kw):  # fails inside every policy's per-sequence code, for seed 666
+        if s.params.seed == 666 and len(s.generated) >= 2:
             raise RuntimeError("poisoned")
-        return real(logits, params, counts, generator, **kw)
+        return real(self, s, *args, **kw)
 
-    monkeypatch.setattr(clover.engine.policies, "pick_tokens", poisoned)
+    monkeypatch.setattr(Engine, "emit", poisoned)
     algs = ["ar", "verify", "low_confidence", "verify", "ar", "low_confidence", "verify", "ar"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     for bad in (0, 1, 2):  # the poisoned request decodes with ar, verify, low_confidence

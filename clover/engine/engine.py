@@ -24,7 +24,7 @@ import torch
 
 from clover.engine.policies import POLICIES, Policy
 from clover.engine.prefix_cache import PrefixStore, block_keys
-from clover.engine.sampling import InvalidParameter, SamplingParams, TokenLogprob, token_logprobs
+from clover.engine.sampling import InvalidParameter, SamplingParams, TokenLogprob, has_penalties, token_logprobs
 from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
 from clover.engine.structured import GrammarCompiler
 from clover.model.cache import PrefixCache
@@ -387,6 +387,22 @@ class Engine:
         for i, r in enumerate(rows):
             out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
         return out.to(self.model.device)
+
+    def greedy_picks(self, seqs: list[SequenceState], logits: torch.Tensor) -> list[int | None]:
+        """The causal head's pick for each row of logits [N,V] (row i: the next token of seqs[i]) where that
+        pick is a plain argmax, for all such rows in one reduction: greedy, no penalties or logit bias, no
+        grammar, no stop token held back (min_tokens), no logprobs asked for. None for the other rows, and
+        for a row whose maximum is not finite: the policy picks those one by one (`pick_tokens`, which
+        gives the same token for the plain rows)."""
+        plain = [i for i, s in enumerate(seqs) if s.params.greedy and not has_penalties(s.params)
+                 and not s.params.logit_bias and s.matcher is None and s.params.logprobs is None
+                 and len(s.generated) >= s.params.min_tokens]
+        picks: list[int | None] = [None] * len(seqs)
+        if plain:
+            best, tokens = self.mask_out(logits[plain]).max(dim=-1)
+            for i, t, ok in zip(plain, tokens.tolist(), torch.isfinite(best).tolist(), strict=True):
+                picks[i] = t if ok else None
+        return picks
 
     def mask_out(self, logits: torch.Tensor) -> torch.Tensor:
         """The mask token is never an output."""

@@ -56,31 +56,35 @@ class AutoRegressive:
         """Prefill each prompt from where its restored prefix ends (s.pos, 0 without one)."""
         logits = engine.forward(seqs, "causal", engine.pad([s.prompt[s.pos:] for s in seqs], 0),
                                 [len(s.prompt) - s.pos for s in seqs], logits="last")
-        for s, lg in zip(seqs, logits, strict=True):
+        for s, lg, pick in zip(seqs, logits, engine.greedy_picks(seqs, logits), strict=True):
             s.pos = len(s.prompt)
             with engine.isolated(s, events):
-                self._token(engine, s, lg, events)
+                self._token(engine, s, lg, events, pick)
 
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         ids = torch.tensor([[s.generated[-1]] for s in seqs], device=engine.model.device)
         logits = engine.forward(seqs, "causal", ids, [1] * len(seqs), logits="last")
-        for s, lg in zip(seqs, logits, strict=True):
+        for s, lg, pick in zip(seqs, logits, engine.greedy_picks(seqs, logits), strict=True):
             s.pos += 1
             with engine.isolated(s, events):
-                self._token(engine, s, lg, events)
+                self._token(engine, s, lg, events, pick)
 
-    def _token(self, engine: Engine, s: SequenceState, logits: torch.Tensor, events: list[Event]) -> None:
+    def _token(self, engine: Engine, s: SequenceState, logits: torch.Tensor, events: list[Event],
+               pick: int | None = None) -> None:
+        """Pick the next token from the causal logits [V], or take `pick`, the batch's plain argmax
+        (`engine.greedy_picks`: no grammar, hold or logprobs to apply)."""
         s.stats.commit_forwards += 1
         s.step += 1
-        logits = engine.mask_out(logits[None])
-        allowed = engine.hold_stops(s, logits if s.matcher is None else s.matcher.mask(logits), len(s.generated))
-        token, _ = pick_tokens(allowed, s.params, s.counts, s.generator, confidence=False)
-        t = int(token[0])
+        scored = None
+        if pick is None:
+            scored = engine.mask_out(logits[None])
+            allowed = engine.hold_stops(s, scored if s.matcher is None else s.matcher.mask(scored), len(s.generated))
+            pick = int(pick_tokens(allowed, s.params, s.counts, s.generator, confidence=False)[0][0])
         if s.matcher is not None:
-            s.matcher.consume([t])
-        if not engine.is_stop_token(s, t):
-            s.counts[t] += 1
-        engine.emit_final(s, [t], [s.step], events, logits)   # logprobs: the model's, before the grammar
+            s.matcher.consume([pick])
+        if not engine.is_stop_token(s, pick):
+            s.counts[pick] += 1
+        engine.emit_final(s, [pick], [s.step], events, scored)   # logprobs: the model's, before the grammar
 
 
 class _Blocks:
@@ -350,9 +354,11 @@ class VerifyPolicy(_Blocks):
             pending.append(p)
             drafted.append(m)
         lengths = [len(x) for x in inputs]
+        picks: list[int | None] = [None] * n
         if max(lengths) == 1:   # no drafts to check: an `ar` step, which commits its token
             logits = engine.forward(seqs, "causal", torch.stack(inputs), lengths, logits="all")
             trail, key = None, (0, n)
+            picks = engine.greedy_picks(seqs, logits[:, 0])
         else:
             # one shape per choice (the pending token and the chosen drafts), padded to it; a prompt
             # tail's is wider, padded to a block (one compiled shape), and not timed (it says nothing of
@@ -373,7 +379,7 @@ class VerifyPolicy(_Blocks):
                     s.carry = preds[m].clone()               # the next block's first slot
                     preds = preds[:m]
                 # (a block of one slot is full before its first check: the forward only commits)
-                counts[i] = p + (self._check(engine, s, preds, m, events) if len(preds) else 0)
+                counts[i] = p + (self._check(engine, s, preds, m, events, picks[i]) if len(preds) else 0)
             if s.finish_reason is not None:
                 counts[i] = 0                                # its row is freed
         if trail is not None:
@@ -515,25 +521,32 @@ class VerifyPolicy(_Blocks):
             s.draft_probs = torch.zeros(len(s.block), probs.shape[-1], device=probs.device)
             s.draft_probs[masked] = probs
 
-    def _check(self, engine: Engine, s: SequenceState, preds: torch.Tensor, m: int, events: list[Event]) -> int:
+    def _check(self, engine: Engine, s: SequenceState, preds: torch.Tensor, m: int, events: list[Event],
+               pick: int | None = None) -> int:
         """Keep the drafts of slots j .. j+m-1 that the causal head agrees with (j: the first unverified
         slot), given the causal logits `preds` [m or m+1, V] that predict slots j .. When all are kept and
-        a row predicts slot j+m, the causal head's own token for it follows. Returns the drafts kept."""
+        a row predicts slot j+m, the causal head's own token for it follows (`pick`: that token when m = 0,
+        the batch's plain argmax from `engine.greedy_picks`). Returns the drafts kept."""
         j = s.verified
         end = j + m
         drafts = s.block[j:j] if s.drafts is None else s.drafts[j:end]   # (none in a block without a preview)
-        preds = raw = engine.mask_out(preds)
-        if s.matcher is not None:   # each row masked by the grammar state after the drafts before it
-            allowed = torch.stack(s.matcher.masks_along(drafts.tolist())[: len(preds)]).to(preds.device)
-            preds = preds.clone()
-            preds[: len(allowed)] = preds[: len(allowed)].masked_fill(~allowed, float("-inf"))
-        preds = engine.hold_stops(s, preds, len(s.generated))   # row i: response position len + i
         probs = None if s.draft_probs is None else s.draft_probs[j:end]
-        tokens, kept = verify_drafts(preds[:m], drafts, probs, s.params, s.counts, s.generator)
-        if kept == m and len(preds) > m:                       # every draft kept: the causal head goes on
-            t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator, confidence=False)[0][0])  # as `ar`
-            tokens.append(t)
-            s.counts[t] += 1
+        raw = None
+        if pick is not None:
+            tokens, kept = [pick], 0
+            s.counts[pick] += 1
+        else:
+            preds = raw = engine.mask_out(preds)
+            if s.matcher is not None:   # each row masked by the grammar state after the drafts before it
+                allowed = torch.stack(s.matcher.masks_along(drafts.tolist())[: len(preds)]).to(preds.device)
+                preds = preds.clone()
+                preds[: len(allowed)] = preds[: len(allowed)].masked_fill(~allowed, float("-inf"))
+            preds = engine.hold_stops(s, preds, len(s.generated))   # row i: response position len + i
+            tokens, kept = verify_drafts(preds[:m], drafts, probs, s.params, s.counts, s.generator)
+            if kept == m and len(preds) > m:                       # every draft kept: the causal head goes on
+                t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator, confidence=False)[0][0])
+                tokens.append(t)                                   # (as `ar` picks it)
+                s.counts[t] += 1
         # drafts kept, then the one rejected; unchecked, whether the causal head's pick equals the draft
         if m:
             seen = [True] * kept + [False] * (kept < m)
@@ -562,7 +575,7 @@ class VerifyPolicy(_Blocks):
                 tokens=torch.where(s.resolved, s.block, engine.config.mask_token_id).tolist(), draft=draft.tolist(),
                 confidence=conf.tolist(), accepted=list(range(j, stop)), rejected=[j + kept] if kept < m else [],
             ))
-        engine.emit_final(s, tokens, [s.step] * len(tokens), events, raw[: len(tokens)])
+        engine.emit_final(s, tokens, [s.step] * len(tokens), events, None if raw is None else raw[: len(tokens)])
         return kept
 
 

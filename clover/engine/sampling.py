@@ -215,7 +215,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int] | torch.Tensor, top_n
     return list(zip(chosen, tops, strict=True))
 
 
-def _has_penalties(params: SamplingParams) -> bool:
+def has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 
 
@@ -236,7 +236,7 @@ def verify_drafts(
     m = drafts.shape[0]
     if m == 0:
         return [], 0
-    if params.greedy and not _has_penalties(params):
+    if params.greedy and not has_penalties(params):
         picks = pick_tokens(logits, params, counts, generator, confidence=False)[0]  # [M]
         agree = (picks == drafts).int()
         kept = int(agree.cumprod(0).sum())
