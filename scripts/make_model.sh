@@ -13,6 +13,7 @@ BIN=${BIN:-.venv/bin}
 DATA=${DATA:-data}
 RUNS=${RUNS:-runs/recipe}
 OUT=${OUT:-clover/weights/clover-tiny}
+PRESET=${PRESET:-tiny}   # the shape (clover/model/config.py PRESETS); tiny-wide: the shape sweep's winner
 AR_STEPS=${AR_STEPS:-1800}
 DIFF_STEPS=${DIFF_STEPS:-550}
 SFT_STEPS=${SFT_STEPS:-500}
@@ -56,7 +57,7 @@ if [ ! -f "$DATA/tokens/counts.json" ]; then
   timed "data build" "$BIN/clover" data build --out "$DATA" --vocab-size 8192 --chat-train 40000
 fi
 stage "AR pretraining"
-train "$RUNS/ar" --data "$DATA" --init preset:tiny --objective ar --steps "$AR_STEPS" --batch-size 8 \
+train "$RUNS/ar" --data "$DATA" --init "preset:$PRESET" --objective ar --steps "$AR_STEPS" --batch-size 8 \
   --seq-len 512 --lr 3e-3 --warmup 100 --mix "$MIX" --pack --eval-every 300 --save-every 50
 stage "convert the AR parent into a block-diffusion model"
 [ -f "$RUNS/diff-init/config.json" ] || timed convert "$BIN/clover" convert "$RUNS/ar/model" "$RUNS/diff-init"
