@@ -1,6 +1,6 @@
 """The `clover` command: one verb per job.
 
-    clover init    DIR --preset debug|tiny|small|clover-35b-a3b   a checkpoint with random weights
+    clover init    DIR --preset NAME                               a checkpoint with random weights (presets)
     clover convert SRC DST                                         transformers Qwen3.5-MoE -> Clover
     clover export  SRC DST --causal                                Clover -> plain transformers (causal mode)
     clover info    DIR                                             config and parameter counts
