@@ -291,16 +291,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         mask_token_id=8191, eos_token_id=8190, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                                                "partial_rotary_factor": 0.25},
     ),
-    # `tiny`'s parameter count spent wider and shallower (hidden 384, 4 layers = 3 GDN + 1 attention): the
-    # winner of the shape sweep per CPU-minute (benchmarks/sweep.py; model card), ~13M total / 10M active.
-    "tiny-wide": dict(
-        vocab_size=8192, hidden_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, max_position_embeddings=4096, linear_key_head_dim=64, linear_value_head_dim=64,
-        linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=128,
-        shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2, block_size=32,
-        mask_token_id=8191, eos_token_id=8190, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
-                                                               "partial_rotary_factor": 0.25},
-    ),
     # A mid-size shape for CPU benchmarks (about 150M total parameters).
     "small": dict(
         vocab_size=32000, hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
@@ -320,6 +310,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
     ),
 }
+
+# `tiny`'s parameter count spent wider and shallower (hidden 384, 4 layers = 3 GDN + 1 attention): the winner of
+# the shape sweep per CPU-minute (benchmarks/sweep.py "wide-shallow"; model card), ~13M total / 10M active.
+PRESETS["tiny-wide"] = {**PRESETS["tiny"], "hidden_size": 384, "num_hidden_layers": 4}
 
 
 @dataclass(frozen=True)
