@@ -59,6 +59,17 @@ def test_continuation_match_rows_and_verify_equals_ar(tok, tmp_path):
     assert all(0.0 <= r["match"] <= 1.0 and r["tpf"] > 0 for r in rows.values())
 
 
+def test_code_prompts_are_cut_from_the_split_asked_for(tok, tmp_path):
+    """Model selection reads the val split (`clover eval match --split val`); the test split stays unread."""
+    import numpy as np
+    (tmp_path / "tokens").mkdir()
+    for split, value in (("val", 7), ("test", 9)):
+        np.full(400, value, dtype=np.uint16).tofile(tmp_path / "tokens" / f"{split}_code.bin")
+    for split, value in (("val", 7), ("test", 9)):
+        pairs = scores.code_prompts(tok, tmp_path, 3, 16, split=split)
+        assert len(pairs) == 3 and all(set(p + t) == {value} and len(t) == 16 for p, t in pairs)
+
+
 def test_copy_kinds_tell_copied_numbers_from_computed_ones():
     from clover.training.scores import _token_kinds
 

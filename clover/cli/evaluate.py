@@ -66,7 +66,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     elif args.eval_command == "match":
         result = {"evaluation": "continuation_match", **scores.continuation_match(
             model, tok, args.data, args.prompts, args.new_tokens, tuple(map(float, args.thresholds.split(","))),
-            args.block_size, args.batch)}
+            args.block_size, args.batch, args.split)}
     else:
         result = {"evaluation": "agent_tasks", "runs": _eval_tasks(args, loaded)}
     result["model"] = str(args.model or "shipped")
@@ -206,6 +206,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
             e.add_argument("--thresholds", default="0.7,0.9,0.95")
             e.add_argument("--block-size", type=int)
             e.add_argument("--batch", type=int, default=16)
+            e.add_argument("--split", default="test", choices=["val", "test"])
         elif name == "copy":
             e.add_argument("--count", type=int, default=64, help="conversations")
             e.add_argument("--split", default="test", choices=["val", "test"])

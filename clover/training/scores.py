@@ -91,8 +91,10 @@ def code_prompts(tok: Tokenizer, data: str | Path, count: int, new_tokens: int, 
 
 def continuation_match(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, count: int = 200,
                        new_tokens: int = 64, thresholds: tuple[float, ...] = (0.7, 0.9, 0.95),
-                       block_size: int | None = None, batch: int = 16) -> dict:
-    pairs = code_prompts(tok, data, count, new_tokens)
+                       block_size: int | None = None, batch: int = 16, split: str = "test") -> dict:
+    """Code continuations of the split (`code_prompts`) by `ar`, `low_confidence` at each threshold and
+    `verify`: per-token match with the true continuation, TPF, tokens/s, and agreement with `ar`."""
+    pairs = code_prompts(tok, data, count, new_tokens, split=split)
     engine = Engine(model, tok, max_batch_size=batch)
     rows = []
     base = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, block_size=block_size)
@@ -118,7 +120,7 @@ def continuation_match(model: CloverForCausalLM, tok: Tokenizer, data: str | Pat
     ar = rows[0]["match"]
     for r in rows[1:]:
         r["match_vs_ar"] = r["match"] / ar if ar else None
-    return {"prompts": count, "new_tokens": new_tokens, "batch": batch,
+    return {"prompts": count, "new_tokens": new_tokens, "batch": batch, "split": split,
             "block_size": GenerationConfig.resolve_block_size(block_size, model.config), "results": rows}
 
 
