@@ -117,7 +117,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                "  clover train --data data --out runs/diff --init runs/diff-init --objective diffusion "
                "--ar-loss-weight 0.5\n"
                "  clover train --data data --out runs/diff --resume\n"
-               "  torchrun --nproc_per_node 2 -m clover.cli.commands train --data data --out runs/ddp ...",
+               "  torchrun --nproc_per_node 2 -m clover train --data data --out runs/ddp ...",
     )
     defaults = TrainConfig(data="", out="")
     p.add_argument("--data", required=True, help="directory from `clover data build`")
