@@ -16,7 +16,7 @@ import torch
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import Tokenizer, stdlib_sources
-from clover.training import synthetic
+from clover.training import recall_data, synthetic
 from clover.training.data import SPLITS, TokenData, chat_example, encode_corpus, split_of
 from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
 from clover.training.trainer import TrainConfig, lr_at, train
@@ -39,6 +39,9 @@ def data_dir(tmp_path_factory):
         with open(out / "raw" / split / "chat.jsonl", "w") as f:
             for task in synthetic.tasks(split, 25):
                 f.write(json.dumps({"messages": task.messages, "tools": task.tools}) + "\n")
+        with open(out / "raw" / split / "recall.jsonl", "w") as f:
+            for i, text in enumerate(recall_data.documents(split, 20)):
+                f.write(json.dumps({"source": "synthetic-recall", "name": str(i), "text": text}) + "\n")
     tokenizer = Tokenizer.train(code + english, vocab_size=512)
     tokenizer.save(out / "tokenizer")
     encode_corpus(out, tokenizer)
@@ -217,6 +220,31 @@ def test_synthetic_tasks_are_deterministic_and_correct():
     assert not train_seeds & {t.seed for t in synthetic.tasks("test", 50)}
     assert synthetic.calculate("(2 + 3) * 4") == "20" and synthetic.calculate("7 / 2") == "3.5"
     assert synthetic.calculate("__import__('os')").startswith("error")
+
+
+def test_recall_drills_are_seeded_per_split_and_copy_what_they_state(data_dir):
+    import random
+    assert list(recall_data.documents("val", 3)) == list(recall_data.documents("val", 3))
+    assert not set(recall_data.documents("train", 200)) & set(recall_data.documents("val", 200))
+    rng = random.Random(1)
+    for _ in range(50):
+        first, again = recall_data.sequence(rng).split("\n")
+        assert first.split(": ", 1)[1] == again.split(": ", 1)[1]
+        head, _, asked = recall_data.table(rng).partition("\n\n")
+        stated = head.split("\n")[1:]
+        pairs = [_key_value(line) for line in stated]
+        for line in asked.split("\n"):   # every line asks a stated key and answers its value
+            assert any(k in line and line.rstrip(".").endswith(" " + v) for k, v in pairs), (line, pairs)
+    tokens = np.fromfile(data_dir / "tokens" / "val_recall.bin", dtype=np.uint16)
+    assert len(tokens) > 0 and TokenData(data_dir, "val", {"recall": 1.0}, 0).batch(0, 0, 2, 16).ids.shape == (2, 16)
+
+
+def _key_value(line: str) -> tuple[str, str]:
+    for sep in (": ", " = ", " -> ", "\t"):
+        if sep in line:
+            k, v = line.split(sep, 1)
+            return k, v
+    raise AssertionError(line)
 
 
 def test_split_is_a_stable_hash():

