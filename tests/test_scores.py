@@ -79,21 +79,27 @@ def test_copy_kinds_tell_copied_numbers_from_computed_ones():
                                   "number_computed", "other_copied"]   # 1897 is not 897 copied
 
 
-def test_copy_accuracy_scores_each_assistant_token_against_the_prediction_before_it(tok):
-    class Oracle:   # predicts every next token; a model that is off by one position would score ~0
-        device = torch.device("cpu")
+class Oracle:
+    """Logits [1,T,V] that predict every next token (`right`), or always token 0 (the last row: token 0)."""
+    device = torch.device("cpu")
 
-        def __call__(self, ids):
-            logits = torch.zeros(1, ids.shape[1], tok.vocab_size)
+    def __init__(self, vocab: int, right: bool = True) -> None:
+        self.vocab, self.right = vocab, right
+
+    def __call__(self, ids):
+        logits = torch.zeros(1, ids.shape[1], self.vocab)
+        if self.right:
             logits[0, torch.arange(ids.shape[1] - 1), ids[0, 1:]] = 1.0
-            return logits
+        return logits
 
-    class Lagging(Oracle):
+
+def test_copy_accuracy_scores_each_assistant_token_against_the_prediction_before_it(tok):
+    class Lagging(Oracle):   # off by one position: scores ~0
         def __call__(self, ids):
             return super().__call__(torch.cat([ids[:, :1], ids[:, :-1]], dim=1))
 
-    good = scores.copy_accuracy(Oracle(), tok, count=6)["results"]
-    bad = scores.copy_accuracy(Lagging(), tok, count=6)["results"]
+    good = scores.copy_accuracy(Oracle(tok.vocab_size), tok, count=6)["results"]
+    bad = scores.copy_accuracy(Lagging(tok.vocab_size), tok, count=6)["results"]
     assert good["number_copied"]["tokens"] > 0 and good["other_copied"]["tokens"] > 0
     assert all(r["accuracy"] == 1.0 for r in good.values() if r["tokens"])
     assert bad["number_copied"]["accuracy"] < 0.5 and bad["other_copied"]["accuracy"] < 0.5
@@ -131,3 +137,11 @@ def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeyp
     assert got["turns"] == len(turns) == len(seen) > 6
     assert got["exact"] == (len(turns) + 1) // 2 / len(turns)
     assert sum(f["turns"] for f in got["by_family"].values()) == len(turns)
+
+
+def test_repeat_accuracy_scores_the_second_copy_after_its_first_token(tok):
+    perfect = scores.repeat_accuracy(Oracle(tok.vocab_size), tok, count=5)["results"]
+    assert all(r["accuracy"] == 1.0 for r in perfect.values())
+    assert perfect["digits"]["tokens"] == 5 * 11          # 12 digits, the first unscored, spaces unscored
+    blind = scores.repeat_accuracy(Oracle(tok.vocab_size, right=False), tok, count=5)["results"]
+    assert all(r["accuracy"] == 0.0 for r in blind.values())

@@ -60,7 +60,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             scores.bits_per_byte(model, tok, args.data, kind, args.split, args.window, args.max_bytes)
             for kind in args.kinds.split(",")]}
     elif args.eval_command == "copy":
-        result = {"evaluation": "copy_accuracy", **scores.copy_accuracy(model, tok, args.count, args.split)}
+        result = {"evaluation": "copy_accuracy", **scores.copy_accuracy(model, tok, args.count, args.split),
+                  "repeats": scores.repeat_accuracy(model, tok)}
     elif args.eval_command == "turns":
         result = {"evaluation": "turn_accuracy", **scores.turn_accuracy(model, tok, args.count, args.split)}
     elif args.eval_command == "match":

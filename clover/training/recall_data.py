@@ -23,7 +23,7 @@ SPLIT_SEEDS = {"train": 0, "val": 10_000_000, "test": 20_000_000}
 
 _SYLLABLES = ("ka ri mo len tas vel dor mi ssa bru qen zo fa nit lo gra pe hul wen tiv ar os "
               "ul cre dan vix pol sen thu").split()
-_WORDS = ("apple river stone cloud maple tiger piano orbit candle harbor lemon violet falcon meadow copper "
+WORDS = ("apple river stone cloud maple tiger piano orbit candle harbor lemon violet falcon meadow copper "
           "silver garden rocket winter summer forest island pepper castle bridge planet amber cedar delta "
           "ember frost glacier hollow ivory jasper kettle lantern marble nectar onyx pebble quartz raven "
           "saffron thistle umber velvet willow yarrow zephyr").split()
@@ -33,7 +33,7 @@ _KEYS = ("id port host user city count total limit path owner status code price 
          "target region score token").split()
 
 
-def _name(rng: random.Random) -> str:
+def made_up_name(rng: random.Random) -> str:
     return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
 
 
@@ -44,12 +44,12 @@ def _number(rng: random.Random) -> str:
 
 
 def _path(rng: random.Random) -> str:
-    parts = [rng.choice(_DIRS) for _ in range(rng.randint(1, 3))] + [rng.choice(_WORDS) + str(rng.randint(0, 99))]
+    parts = [rng.choice(_DIRS) for _ in range(rng.randint(1, 3))] + [rng.choice(WORDS) + str(rng.randint(0, 99))]
     return "/" + "/".join(parts) + "." + rng.choice(_EXTS)
 
 
 def _ident(rng: random.Random) -> str:
-    return "_".join(rng.sample(_WORDS, rng.randint(1, 2))) + (str(rng.randint(0, 999)) if rng.random() < 0.5 else "")
+    return "_".join(rng.sample(WORDS, rng.randint(1, 2))) + (str(rng.randint(0, 999)) if rng.random() < 0.5 else "")
 
 
 def _date(rng: random.Random) -> str:
@@ -60,8 +60,8 @@ def _hex(rng: random.Random) -> str:
     return "".join(rng.choice("0123456789abcdef") for _ in range(rng.randint(4, 10)))
 
 
-VALUES: tuple[Callable[[random.Random], str], ...] = (_number, _number, _number, _name, _path, _ident, _date, _hex,
-                                                      lambda rng: rng.choice(_WORDS))
+VALUES: tuple[Callable[[random.Random], str], ...] = (_number, _number, _number, made_up_name, _path, _ident, _date, _hex,
+                                                      lambda rng: rng.choice(WORDS))
 
 
 def _value(rng: random.Random) -> str:
@@ -72,7 +72,7 @@ def _keys(rng: random.Random, n: int) -> list[str]:
     """n distinct keys: field names, words, made-up names or short ids."""
     keys: list[str] = []
     while len(keys) < n:
-        k = rng.choice((lambda: rng.choice(_KEYS), lambda: rng.choice(_WORDS), lambda: _name(rng).lower(),
+        k = rng.choice((lambda: rng.choice(_KEYS), lambda: rng.choice(WORDS), lambda: made_up_name(rng).lower(),
                         lambda: rng.choice(_KEYS) + "_" + str(rng.randint(1, 99))))()
         if k not in keys:
             keys.append(k)
@@ -123,7 +123,7 @@ def record(rng: random.Random) -> str:
 
 
 def sentences(rng: random.Random) -> str:
-    person, place, amount, code_, day = _name(rng), _name(rng), _number(rng), _hex(rng), _date(rng)
+    person, place, amount, code_, day = made_up_name(rng), made_up_name(rng), _number(rng), _hex(rng), _date(rng)
     facts = [f"{person} lives in {place}.", f"The order total was {amount}.", f"The access code is {code_}.",
              f"The meeting is on {day}."]
     rng.shuffle(facts)
@@ -139,9 +139,9 @@ def sequence(rng: random.Random) -> str:
     if kind == "digits":
         seq = [str(rng.randint(0, 9)) for _ in range(n)]
     elif kind == "words":
-        seq = [rng.choice(_WORDS) for _ in range(n)]
+        seq = [rng.choice(WORDS) for _ in range(n)]
     elif kind == "names":
-        seq = [_name(rng) for _ in range(max(2, n // 3))]
+        seq = [made_up_name(rng) for _ in range(max(2, n // 3))]
     else:
         seq = [_value(rng) for _ in range(max(2, n // 3))]
     sep = rng.choice((" ", ", ", "") if kind == "digits" else (" ", ", ", " | "))

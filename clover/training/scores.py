@@ -7,7 +7,9 @@
 
 - `copy_accuracy`: held-out agent conversations (test seeds), teacher-forced: how often the causal
   head's next token is right on the assistant's tokens, by kind: digits of a number that stands earlier
-  in the conversation (copied), of a number that does not (computed), other tokens seen earlier, others.
+  in the conversation (copied), of a number that does not (computed), other tokens seen earlier, others;
+- `repeat_accuracy`: copying outside the chat format: a random string (digits, words, made-up names)
+  written twice, teacher-forced accuracy on the second copy after its first token (induction).
 - `turn_accuracy`: agent conversations of a split (validation seeds by default), each assistant turn
   after the last user message generated greedily by `ar` from the conversation before it: how often the
   turn (thinking, call markup, answer) comes out exactly right. Validation seeds, so a recipe can choose
@@ -183,6 +185,40 @@ def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, spl
     return {"conversations": count, "split": split,
             "results": {k: {"accuracy": right[k] / total[k] if total[k] else None, "tokens": total[k]}
                         for k in COPY_KINDS}}
+
+
+REPEAT_KINDS = ("digits", "words", "names")
+
+
+@torch.inference_mode()
+def repeat_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 40, seed: int = 0) -> dict:
+    """Copying outside the chat format: for each kind, `count` texts "Remember this: S\nNow write it
+    again: S" with S a random string (12 digits, 6 distinct words or 3 made-up names); the causal head's
+    teacher-forced accuracy on the second S after its first token, where copying the first S is the only
+    way to be right (a model that does not copy is near chance: 1/10 on digits); tokens that are only
+    white space are not scored."""
+    from clover.training import recall_data
+
+    rng = random.Random(seed)
+    make = {"digits": lambda: " ".join(rng.choice("0123456789") for _ in range(12)),
+            "words": lambda: " ".join(rng.sample(recall_data.WORDS, 6)),
+            "names": lambda: " ".join(recall_data.made_up_name(rng) for _ in range(3))}
+    out = {}
+    for kind in REPEAT_KINDS:
+        right = total = 0
+        for _ in range(count):
+            text = make[kind]()
+            prompt = f"Remember this: {text}\nNow write it again:"
+            head, ids = tok.encode(prompt), tok.encode(f"{prompt} {text}")
+            if ids[: len(head)] != head:
+                raise ValueError("the prompt's tokens change when the copy follows")
+            pred = model(torch.tensor([ids], device=model.device))[0].argmax(-1).tolist()
+            # the copy's tokens after its first, less those that are only white space (between digits)
+            scored = [i for i in range(len(head), len(ids)) if tok.decode([ids[i]]).strip()][1:]
+            total += len(scored)
+            right += sum(pred[i - 1] == ids[i] for i in scored)
+        out[kind] = {"accuracy": right / total, "tokens": total}
+    return {"texts_per_kind": count, "results": out}
 
 
 @torch.inference_mode()
