@@ -12,11 +12,12 @@ import math
 from collections import deque
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from clover.engine.engine import Engine
-from clover.engine.policies import VerifyPolicy
+from clover.engine.policies import VerifyPolicy, lookup_drafts
 from clover.engine.sampling import SamplingParams
 from clover.engine.sequence import NO_DRAFT, SequenceState
 from clover.engine.trace import trace_data
@@ -396,8 +397,9 @@ class EveryOtherPreview(VerifyPolicy):
     a preview, whether the block before it left a token to commit (else the causal head's prediction of
     the first slot, from the check that kept all of the block's last drafts, fills it)."""
 
-    def __init__(self, truth: list[int], prompt_len: int, vocab: int, window: int, poison: bool) -> None:
-        super().__init__(window=window, cost_ratio=0)
+    def __init__(self, truth: list[int], prompt_len: int, vocab: int, window: int, poison: bool,
+                 lookup: bool = True) -> None:
+        super().__init__(window=window, cost_ratio=0, lookup=lookup)
         self.truth, self.prompt_len, self.vocab, self.poison = truth, prompt_len, vocab, poison
         self.left_behind: list[bool] = []
 
@@ -437,6 +439,7 @@ def test_blocks_without_a_preview_equal_ar_and_leave_the_cache_a_prefill(model, 
                 _assert_cache_is_prefill_of(model, engine, s, prompt + s.generated)
     assert result.token_ids == truth
     st = result.stats
+    assert st.lookup_drafts > 0                         # blocks without a preview drafted from the context
     assert st.previews_skipped == len(policy.left_behind) >= 2
     # every block previewed (alone, fused with the prefill, or with the commit before it) or not
     assert st.preview_forwards + st.commit_forwards + st.previews_skipped == st.blocks
@@ -475,9 +478,9 @@ def test_the_trace_of_a_block_without_a_preview_shows_no_drafts(model):
     prompt = _prompts()[0]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True, algorithm="verify", record_steps=True)
     truth = Engine(model).generate([prompt], params.with_(algorithm="ar"))[0].token_ids
-    policy = EveryOtherPreview(truth, len(prompt), model.config.vocab_size, 4, poison=True)
+    policy = EveryOtherPreview(truth, len(prompt), model.config.vocab_size, 4, poison=True, lookup=False)
     result = Engine(model, policies={"verify": policy}).generate([prompt], params)[0]
-    assert result.stats.previews_skipped >= 1
+    assert result.stats.previews_skipped >= 1 and result.stats.lookup_drafts == 0
     data = trace_data(result, "", lambda ids: " ".join(map(str, ids)))
     started = len(prompt) // model.config.block_size   # the block of the prompt's tail, previewed by the prefill
     plain = [(rec, step) for rec, step in zip(result.trace, data["steps"], strict=True)
@@ -531,3 +534,31 @@ def test_a_block_is_previewed_when_its_drafts_save_more_than_the_preview_costs()
     assert VerifyPolicy(cost_ratio=0).preview_worth(seq(0.0), 1, 1)
     fixed = VerifyPolicy(window=4, cost_ratio=1.7)
     assert fixed.preview_worth(seq(0.5), 1, 1) and not fixed.preview_worth(seq(0.3), 1, 1)
+
+
+def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffix():
+    ctx = np.array([5, 1, 2, 3, 9, 1, 2, 4, 7, 8, 1, 2])
+    assert lookup_drafts(ctx, 3) == [4, 7, 8]            # "1 2" last seen before "4 7 8" (not "3 9")
+    assert lookup_drafts(ctx, 3, longest=1) == [4, 7, 8]  # "2" alone: the same occurrence
+    assert lookup_drafts(np.array([3, 1, 2, 0, 1, 2, 3, 1, 2]), 2) == [0, 1]   # "3 1 2" beats "1 2"
+    assert lookup_drafts(np.array([1, 2, 3]), 4) == []    # the last token is new
+    assert lookup_drafts(np.array([4, 6, 4]), 5) == [6, 4]   # runs up to the end of the context
+    assert lookup_drafts(np.array([4]), 2) == [] and lookup_drafts(np.array([], dtype=np.int64), 2) == []
+
+
+def test_lookup_drafts_are_used_only_without_a_preview_for_greedy_unconstrained_requests(model):
+    """A block without a preview drafts from the context; previewed blocks, sampled requests and requests
+    under a grammar do not, and `lookup=False` turns it off; the drafts stay within the block."""
+    policy = VerifyPolicy(window=4)
+    prompt = [3, 4, 5, 6, 3, 4]
+    s = SequenceState(rid="x", prompt=prompt, params=SamplingParams(algorithm="verify"), block_size=3,
+                      generator=torch.Generator(), counts=torch.zeros(model.config.vocab_size), started=0.0)
+    s.block = torch.zeros(3, dtype=torch.long)
+    s.verified = 1
+    assert policy.looked_up(s) == [5, 6]                  # 2 slots left in the block
+    assert VerifyPolicy(lookup=False).looked_up(s) == []
+    s.drafts = s.block.clone()
+    assert policy.looked_up(s) == []
+    s.drafts = None
+    s.params = SamplingParams(algorithm="verify", temperature=0.7)
+    assert policy.looked_up(s) == []

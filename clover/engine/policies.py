@@ -20,6 +20,9 @@ is one new class added to `POLICIES`.
   so every check yields at least one token and the output is `ar`'s (speculative sampling at
   temperature > 0). Nothing of a rejected draft reaches the cache. Drafts are checked only where the
   tokens a check is expected to keep pay for its cost over an `ar` step; elsewhere the forward is one.
+  In a block decoded without a preview (one not worth its cost), greedy requests draft from their own
+  context instead (`lookup_drafts`: what followed the last earlier occurrence of the text's last few
+  tokens), which costs no forward: agents copy arguments, paths and code they have read.
 
 Dimension letters: S block slots, V vocabulary.
 """
@@ -30,6 +33,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from clover.engine.sampling import pick_tokens, sample_from, token_distribution, verify_drafts
@@ -262,6 +266,22 @@ class LowConfidence(_Blocks):
             ))
 
 
+def lookup_drafts(context: np.ndarray, k: int, longest: int = 4) -> list[int]:
+    """Drafts from the context itself (prompt lookup, as n-gram speculation in vLLM): the k tokens that
+    followed the last earlier occurrence of the context's final n tokens, for the largest n <= `longest`
+    that occurred before; [] when even the last token is new."""
+    t = len(context)
+    for n in range(min(longest, t - 1), 0, -1):
+        found = context[: t - n] == context[t - n]           # starts s < t - n of an earlier occurrence
+        for i in range(1, n):
+            found &= context[i: t - n + i] == context[t - n + i]
+        hits = np.flatnonzero(found)
+        if len(hits):
+            start = int(hits[-1]) + n
+            return context[start: start + k].tolist()
+    return []
+
+
 class VerifyPolicy(_Blocks):
     """`verify`: drafts from the block's preview, checked and corrected by the causal head (spec section 5b).
 
@@ -291,16 +311,21 @@ class VerifyPolicy(_Blocks):
     check, the check iff a sequence expects more tokens than the ratio (0 always checks). Sampled
     requests (temperature > 0) always check `window` drafts, so that a seed gives the same tokens
     whatever the timings.
+
+    A block decoded without a preview has no drafts of its own; a greedy sequence without a grammar then
+    drafts from its context (`lookup` on: `lookup_drafts`, up to `window` tokens, within the block), with
+    its own running estimate of how often those are kept (`lookup_hit`), and the same choice of how many
+    to check. Such drafts cost nothing to make, and the check decides as for any draft.
     """
 
     _RATE = 0.25   # weight of each new observation in the running estimate of kept drafts
 
-    def __init__(self, window: int = 8, cost_ratio: float | None = None) -> None:
+    def __init__(self, window: int = 8, cost_ratio: float | None = None, lookup: bool = True) -> None:
         if window < 1:
             raise ValueError(f"window must be a positive number of drafts, got {window}")
         if cost_ratio is not None and cost_ratio < 0:
             raise ValueError(f"cost_ratio must be >= 0 or None, got {cost_ratio}")
-        self.window, self.cost_ratio = window, cost_ratio
+        self.window, self.cost_ratio, self.lookup = window, cost_ratio, lookup
         self.choices = [0] + sorted({min(2 ** i, window) for i in range(window.bit_length() + 1)})
         self.seconds: dict[tuple[int, int], deque[float]] = {}   # recent forward times per (drafts, batch size)
 
@@ -309,22 +334,28 @@ class VerifyPolicy(_Blocks):
         """Tokens a check of m drafts yields when each is kept with probability p: 1 + p + ... + p^m."""
         return sum(p ** i for i in range(m + 1))
 
-    def drafts_to_check(self, seqs: list[SequenceState], compiled: bool = False) -> int:
+    def drafts_to_check(self, seqs: list[SequenceState], compiled: bool = False,
+                        looked: list[list[int]] | None = None) -> int:
         """How many drafts the batch's next forward checks per sequence (0: an `ar` step). `compiled`:
         the passes run compiled, where every check length is a graph to build (minutes on 2 CPU cores),
-        so the choice is `window` drafts or none."""
+        so the choice is `window` drafts or none. `looked`: each sequence's drafts from its context
+        (`lookup_drafts`; used where its block has no preview)."""
+        looked = looked or [[] for _ in seqs]
         if any(not s.params.greedy for s in seqs):
             return self.window
+        hit = [s.draft_hit if s.drafts is not None else s.lookup_hit for s in seqs]
         if self.cost_ratio is not None:
-            worth = any(self.expected(s.draft_hit, self.window) > self.cost_ratio for s in seqs)
+            worth = any(self.expected(p, self.window) > self.cost_ratio for p in hit)
             return self.window if worth else 0
         n, best, best_rate = len(seqs), 0, 0.0
-        left = [0 if s.drafts is None else len(s.block) - s.verified for s in seqs]
+        left = [len(look) if s.drafts is None else len(s.block) - s.verified for s, look in zip(seqs, looked, strict=True)]
+        if not any(left):
+            return 0
         for m in self.choices if not compiled else (0, self.window):
             times = self.seconds.get((m, n), ())
             if len(times) < 2:
                 return m                      # try each choice twice
-            rate = sum(self.expected(s.draft_hit, min(m, r)) for s, r in zip(seqs, left, strict=True)) / min(times)
+            rate = sum(self.expected(p, min(m, r)) for p, r in zip(hit, left, strict=True)) / min(times)
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
@@ -338,21 +369,20 @@ class VerifyPolicy(_Blocks):
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         n, dev = len(seqs), engine.model.device
         t0 = time.perf_counter()
-        chosen = self.drafts_to_check(seqs, engine.model.decode_compiled)   # one forward serves the batch
-        inputs, pending, drafted = [], [], []
-        for s in seqs:
+        looked = [self.looked_up(s) for s in seqs]
+        chosen = self.drafts_to_check(seqs, engine.model.decode_compiled, looked)   # one forward serves the batch
+        inputs, pending, drafted, sources = [], [], [], []
+        for s, look in zip(seqs, looked, strict=True):
             j = s.verified                                   # slots < j are verified
             p = s.pos + j - s.cached                         # verified, not yet in the cache (>= 1)
             pend = s.block[j - p: j] if p <= j else torch.cat([s.behind[len(s.behind) - p + j:], s.block[:j]])
-            if s.drafts is None:                             # a block without a preview: `ar` steps
-                inputs.append(pend)
-                pending.append(p)
-                drafted.append(0)
-                continue
-            m = min(chosen, len(s.block) - j)                # drafts checked
-            inputs.append(torch.cat([pend, s.drafts[j: j + m]]) if m else pend)
+            # a block without a preview: drafts from the context where there are some, else `ar` steps
+            source = s.drafts[j:] if s.drafts is not None else torch.tensor(look, dtype=torch.long, device=dev)
+            m = min(chosen, len(source))                     # drafts checked
+            inputs.append(torch.cat([pend, source[:m]]) if m else pend)
             pending.append(p)
             drafted.append(m)
+            sources.append(None if s.drafts is not None else source)
         lengths = [len(x) for x in inputs]
         picks: list[int | None] = [None] * n
         if max(lengths) == 1:   # no drafts to check: an `ar` step, which commits its token
@@ -379,7 +409,7 @@ class VerifyPolicy(_Blocks):
                     s.carry = preds[m].clone()               # the next block's first slot
                     preds = preds[:m]
                 # (a block of one slot is full before its first check: the forward only commits)
-                counts[i] = p + (self._check(engine, s, preds, m, events, picks[i]) if len(preds) else 0)
+                counts[i] = p + (self._check(engine, s, preds, m, events, picks[i], sources[i]) if len(preds) else 0)
             if s.finish_reason is not None:
                 counts[i] = 0                                # its row is freed
         if trail is not None:
@@ -397,6 +427,17 @@ class VerifyPolicy(_Blocks):
                 done.append(s)
         if done:
             self.next_block(engine, done, events, n)
+
+    def looked_up(self, s: SequenceState) -> list[int]:
+        """Drafts from the sequence's context for the slots after its verified ones (`lookup_drafts`, at
+        most `window`, within the block), where its block has no preview and the request is greedy
+        without a grammar; else []."""
+        if not self.lookup or s.drafts is not None or not s.params.greedy or s.matcher is not None:
+            return []
+        if s.prompt_array is None:
+            s.prompt_array = np.asarray(s.prompt, dtype=np.int64)
+        context = np.concatenate([s.prompt_array, np.asarray(s.generated, dtype=np.int64)])
+        return lookup_drafts(context, min(self.window, len(s.block) - s.verified))
 
     def _record(self, key: tuple, t0: float, dev: torch.device) -> None:
         """Keep the time since t0 among the last 8 of `key` (on CUDA after the kernels finish: they run
@@ -522,14 +563,16 @@ class VerifyPolicy(_Blocks):
             s.draft_probs[masked] = probs
 
     def _check(self, engine: Engine, s: SequenceState, preds: torch.Tensor, m: int, events: list[Event],
-               pick: int | None = None) -> int:
+               pick: int | None = None, looked: torch.Tensor | None = None) -> int:
         """Keep the drafts of slots j .. j+m-1 that the causal head agrees with (j: the first unverified
         slot), given the causal logits `preds` [m or m+1, V] that predict slots j .. When all are kept and
         a row predicts slot j+m, the causal head's own token for it follows (`pick`: that token when m = 0,
-        the batch's plain argmax from `engine.greedy_picks`). Returns the drafts kept."""
+        the batch's plain argmax from `engine.greedy_picks`). The drafts are the preview's, or `looked`,
+        drafts from the context for slots j .. (a block without a preview). Returns the drafts kept."""
         j = s.verified
         end = j + m
-        drafts = s.block[j:j] if s.drafts is None else s.drafts[j:end]   # (none in a block without a preview)
+        offered = s.drafts[j:] if s.drafts is not None else looked if looked is not None else s.block[j:j]
+        drafts = offered[:m]
         probs = None if s.draft_probs is None else s.draft_probs[j:end]
         raw = None
         if pick is not None:
@@ -551,9 +594,13 @@ class VerifyPolicy(_Blocks):
         if m:
             seen = [True] * kept + [False] * (kept < m)
         else:
-            seen = [] if s.drafts is None else [tokens[0] == int(s.drafts[j])]
+            seen = [tokens[0] == int(offered[0])] if len(offered) else []
         for hit in seen:
-            s.draft_hit += self._RATE * (hit - s.draft_hit)
+            if s.drafts is not None:
+                s.draft_hit += self._RATE * (hit - s.draft_hit)
+            else:
+                s.lookup_hit += self._RATE * (hit - s.lookup_hit)
+        s.stats.lookup_drafts += m if s.drafts is None else 0
         if s.matcher is not None:
             s.matcher.consume(tokens)
         s.step += 1
@@ -568,6 +615,7 @@ class VerifyPolicy(_Blocks):
             draft = torch.where(s.resolved, s.block, NO_DRAFT if s.drafts is None else s.drafts)
             draft[j:end] = drafts
             conf = torch.ones(len(s.block)) if s.drafts is not None else s.resolved.float().cpu()
+            conf[j:end] = 1.0
             if probs is not None:
                 conf[j:end] = probs.gather(-1, drafts[:, None]).squeeze(-1).float().cpu()
             s.trace.append(StepRecord(

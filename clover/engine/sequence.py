@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from clover.engine.sampling import SamplingParams, TokenLogprob
@@ -26,6 +27,7 @@ class GenerationStats:
     cached_tokens: int = 0     # prompt tokens restored from the prefix cache instead of prefilled
     drafts_proposed: int = 0   # verify: draft tokens checked
     drafts_accepted: int = 0   # verify: draft tokens the causal head agreed with
+    lookup_drafts: int = 0     # verify: those of the draft tokens checked that came from the context
     wall_time: float = 0.0     # seconds from admission to finish
     model_time: float = 0.0    # seconds inside model forwards this sequence took part in
 
@@ -139,5 +141,7 @@ class SequenceState:
     verified: int = 0                          # verified slots of the block (a prefix; `resolved` as a count)
     behind: torch.Tensor | None = None
     draft_hit: float = 0.5                     # running estimate of how often a draft is kept
+    lookup_hit: float = 0.5                    # the same for drafts from the context (`lookup_drafts`)
+    prompt_array: np.ndarray | None = None     # the prompt's ids for `lookup_drafts`
     skipped: int = 0                           # previews skipped in a row
     skip_limit: int = 1                        # how many in a row before the next probe preview
