@@ -3,7 +3,8 @@ AR decoding of the same weights, and against transformers' greedy `generate` on 
 
 For each prompt set and batch size: tokens/s, TPF and engine overhead (wall time outside model
 forwards, as a share of the total) for `ar`, `verify` (the default check window and --verify-windows,
-with drafts kept per check and the share of blocks previewed) and `low_confidence` (every block size x
+with drafts kept per check, the share of blocks previewed and the share of checked drafts that came from
+the context; --without-lookup adds the default window with no drafts from the context) and `low_confidence` (every block size x
 threshold), and tokens/s of transformers. Prompt sets: `random` token prompts of
 each --prompt-lengths, `code` (Python openings) and `agent` (tool-use chat turns of the synthetic
 test tasks, through the chat template); the last two need the checkpoint's tokenizer. Random and code
@@ -69,6 +70,8 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> di
         out["kept_per_check"] = sum(r.stats.drafts_accepted for r in results) / checks
         blocks = sum(r.stats.blocks for r in results)
         out["previewed"] = 1 - sum(r.stats.previews_skipped for r in results) / max(blocks, 1)
+        proposed = sum(r.stats.drafts_proposed for r in results)
+        out["looked_up"] = sum(r.stats.lookup_drafts for r in results) / max(proposed, 1)
     return out
 
 
@@ -122,6 +125,8 @@ def main() -> None:
     parser.add_argument("--thresholds", default="0.5,0.7,0.9,0.95,1.0")
     parser.add_argument("--block-sizes", default="4,8,16,32")
     parser.add_argument("--verify-windows", default="4,16", help="also measure verify with these check windows")
+    parser.add_argument("--without-lookup", action="store_true",
+                        help="also measure verify (default window) without drafts from the context")
     parser.add_argument("--context", type=int, help="the tiny preset at random with this context (long prompts)")
     parser.add_argument("--max-prefill-tokens", type=int, help="chunked prefill of at most this many tokens a step")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
@@ -158,6 +163,9 @@ def main() -> None:
         verifiers = {f"verify-w{VerifyPolicy().window}": engine}
         for w in args.verify_windows.split(",") if args.verify_windows else []:
             verifiers[f"verify-w{w}"] = Engine(model, policies={"verify": VerifyPolicy(window=int(w))}, **opts)
+        if args.without_lookup:
+            verifiers[f"verify-w{VerifyPolicy().window}-nolookup"] = Engine(
+                model, policies={"verify": VerifyPolicy(lookup=False)}, **opts)
         sets = prompt_sets(args.prompts.split(","), [int(n) for n in args.prompt_lengths.split(",")], batch, model,
                            tokenizer)
         for label, prompts in sets:
@@ -202,11 +210,12 @@ def main() -> None:
                     row.update(algorithm=key, same_as_ar=outputs == ar_tokens)
                 rows.append({**row, **r, "speedup_over_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
     print(f"\n{'prompt':>11} {'batch':>5} {'algorithm':>22} {'block':>5} {'thr':>5} {'tok/s':>8} {'TPF':>6} "
-          f"{'kept':>5} {'prev':>5} {'overhead':>8} {'vs AR':>6} {'= AR':>5}")
+          f"{'kept':>5} {'prev':>5} {'look':>5} {'overhead':>8} {'vs AR':>6} {'= AR':>5}")
     for r in rows:
         print(f"{r['prompt']:>11} {r['batch']:>5} {r['algorithm']:>22} {r.get('block_size', ''):>5} "
               f"{r.get('threshold', ''):>5} {r['tokens_per_s']:8.1f} {r.get('tpf', float('nan')):6.2f} "
               f"{r.get('kept_per_check', float('nan')):5.2f} {r.get('previewed', float('nan')):5.2f} "
+              f"{r.get('looked_up', float('nan')):5.2f} "
               f"{100 * r.get('overhead', float('nan')):7.1f}% {r.get('speedup_over_ar', float('nan')):6.2f} "
               f"{'' if 'same_as_ar' not in r else 'yes' if r['same_as_ar'] else 'NO':>5}")
     b1 = [r["overhead"] for r in rows if r["batch"] == 1 and "overhead" in r]

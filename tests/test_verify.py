@@ -509,6 +509,14 @@ def test_a_block_is_previewed_when_its_drafts_save_more_than_the_preview_costs()
     # p = 0.9: a check of 4 yields 4.1 tokens in 0.020 s; 32 slots save 32 * (0.010 - 0.0049) = 0.16 s > the
     # preview's 0.040 - 0.010
     assert policy.preview_worth(seq(0.9), 1, 1)
+    # ... unless drafts from the context do as well without a preview (found at every step, kept at 0.9)
+    copier = seq(0.9)
+    copier.lookup_found, copier.lookup_hit = 1.0, 0.9
+    assert not policy.preview_worth(copier, 1, 1)
+    copier.skipped = 0
+    no_lookup = VerifyPolicy(window=4, lookup=False)
+    no_lookup.seconds = dict(policy.seconds)
+    assert no_lookup.preview_worth(copier, 1, 1)
     # p = 0.3: 1.42 tokens per 0.020 s is slower than a step: skip, probing after 1, 2, 4, 8, 8 skips
     low = seq(0.3)
     got = [policy.preview_worth(low, 1, 1) for _ in range(30)]

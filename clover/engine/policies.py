@@ -437,7 +437,9 @@ class VerifyPolicy(_Blocks):
         if s.prompt_array is None:
             s.prompt_array = np.asarray(s.prompt, dtype=np.int64)
         context = np.concatenate([s.prompt_array, np.asarray(s.generated, dtype=np.int64)])
-        return lookup_drafts(context, min(self.window, len(s.block) - s.verified))
+        found = lookup_drafts(context, min(self.window, len(s.block) - s.verified))
+        s.lookup_found += self._RATE * (bool(found) - s.lookup_found)
+        return found
 
     def _record(self, key: tuple, t0: float, dev: torch.device) -> None:
         """Keep the time since t0 among the last 8 of `key` (on CUDA after the kernels finish: they run
@@ -458,7 +460,8 @@ class VerifyPolicy(_Blocks):
         the block's last token where that one waits for the cache (less the `ar` step the fused logits
         save when the whole batch previews), else a forward of its own (timed apart); its drafts pay
         when the checks they make worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the
-        time of a step, t that of the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose preview does not pay
+        time per token without a preview (a step, or a check of drafts from the context where those pay:
+        `_plain_time`), t that of the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose preview does not pay
         are decoded by `ar` steps; after 1, 2, 4, then 8 such blocks in a row one is previewed again (a
         probe), so that the estimate p follows the text. Sampled requests and `cost_ratio` 0 preview
         every block; a fixed `cost_ratio` previews iff a full check would pay."""
@@ -481,13 +484,26 @@ class VerifyPolicy(_Blocks):
             if not rates:
                 return True
             left = min(s.block_size, s.params.max_new_tokens - len(s.generated))
-            worth = left * (t0 - 1 / max(rates)) > min(preview) - (t0 if fused and k == n else 0.0)
+            plain = self._plain_time(s, n, t0, compiled)
+            worth = left * (plain - 1 / max(rates)) > min(preview) - (t0 if fused and k == n else 0.0)
         if worth or s.skipped >= s.skip_limit:
             s.skip_limit = 1 if worth else min(2 * s.skip_limit, 8)
             s.skipped = 0
             return True
         s.skipped += 1
         return False
+
+    def _plain_time(self, s: SequenceState, n: int, t0: float, compiled: bool) -> float:
+        """Seconds per token of s's next block decoded without a preview: an `ar` step (t0) for each, or
+        checks of drafts from the context, found in a share `lookup_found` of the steps and kept as
+        `lookup_hit` says, where those are faster."""
+        best = t0
+        if self.lookup and s.matcher is None:
+            for m in self.choices[1:]:
+                if (m, n) in self.seconds and (not compiled or m == self.window):
+                    tokens = 1 + s.lookup_found * (self.expected(s.lookup_hit, m) - 1)
+                    best = min(best, min(self.seconds[m, n]) / tokens)
+        return best
 
     def next_block(self, engine: Engine, seqs: list[SequenceState], events: list[Event], n: int) -> None:
         """Start the next block of each finished one (`n` sequences step together). Previewed: fused with

@@ -142,6 +142,7 @@ class SequenceState:
     behind: torch.Tensor | None = None
     draft_hit: float = 0.5                     # running estimate of how often a draft is kept
     lookup_hit: float = 0.5                    # the same for drafts from the context (`lookup_drafts`)
+    lookup_found: float = 0.5                  # running estimate of how often the context offers drafts
     prompt_array: np.ndarray | None = None     # the prompt's ids for `lookup_drafts`
     skipped: int = 0                           # previews skipped in a row
     skip_limit: int = 1                        # how many in a row before the next probe preview
