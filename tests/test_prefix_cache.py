@@ -5,6 +5,7 @@ import torch
 from conftest import perturbed_model
 
 from clover.engine.engine import Engine
+from clover.engine.policies import VerifyPolicy
 from clover.engine.prefix_cache import block_keys
 from clover.engine.sampling import SamplingParams
 from clover.model.config import CloverConfig
@@ -206,3 +207,36 @@ def test_only_a_forward_crossing_a_block_boundary_before_its_end_asks_for_a_gdn_
     assert got.token_ids == Engine(model).generate([prompt], _params(algorithm, 19))[0].token_ids
     again = engine.generate([prompt + got.token_ids], _params(algorithm, 3))[0]
     assert again.stats.cached_tokens == 32   # the prefill kept 16; commits without a trace kept 24 and 32
+
+
+class _NoPreviews(VerifyPolicy):
+    """`verify` that previews no block after the first; every later block drafts "from its context", here
+    `ar`'s own next tokens (`truth`), so that every draft is kept and checks cross block boundaries."""
+
+    def __init__(self, truth: list[int]) -> None:
+        super().__init__(window=4, cost_ratio=0)
+        self.truth = truth
+
+    def preview_worth(self, s, n, k, compiled=False):
+        return False
+
+    def looked_up(self, s):
+        if s.drafts is not None:
+            return []
+        n = len(s.generated)
+        return self.truth[n: n + min(self.window, len(s.block) - s.verified)]
+
+
+def test_the_next_turn_reuses_a_verify_reply_drafted_from_its_context(model):
+    """Checks of drafts from the context that cross a block boundary still leave every committed block of
+    the reply in the prefix cache (a keep that crosses a boundary without ending on it could not)."""
+    turn1 = _tokens(21, 4)
+    truth = Engine(model).generate([turn1], _params("ar", 40))[0].token_ids
+    engine = Engine(model, prefix_cache_bytes=64 << 20, policies={"verify": _NoPreviews(truth)})
+    result = engine.generate([turn1], _params("verify", 40))[0]
+    assert result.token_ids == truth
+    assert result.stats.previews_skipped >= 3 and result.stats.drafts_accepted > 20
+    turn2 = turn1 + truth + _tokens(9, 5)
+    got = engine.generate([turn2], _params("verify"))[0]
+    assert got.token_ids == Engine(model).generate([turn2], _params("verify"))[0].token_ids
+    assert got.stats.cached_tokens >= (len(turn1) + len(truth)) // 8 * 8 - 8

@@ -369,7 +369,10 @@ class VerifyPolicy(_Blocks):
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         n, dev = len(seqs), engine.model.device
         t0 = time.perf_counter()
-        looked = [self.looked_up(s) for s in seqs]
+        # drafts from the context; not in a check that would also commit the block before's last token: its
+        # keep would cross a block boundary without ending there, and the prefix cache keeps only states
+        # on boundaries (the block would be lost to the next turn)
+        looked = [self.looked_up(s) if engine.prefix is None or s.cached >= s.pos else [] for s in seqs]
         chosen = self.drafts_to_check(seqs, engine.model.decode_compiled, looked)   # one forward serves the batch
         inputs, pending, drafted, sources = [], [], [], []
         for s, look in zip(seqs, looked, strict=True):
