@@ -550,7 +550,8 @@ def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffi
     assert lookup_drafts(ctx, 3, longest=1) == [4, 7, 8]  # "2" alone: the same occurrence
     assert lookup_drafts(np.array([3, 1, 2, 0, 1, 2, 3, 1, 2]), 2) == [0, 1]   # "3 1 2" beats "1 2"
     assert lookup_drafts(np.array([1, 2, 3]), 4) == []    # the last token is new
-    assert lookup_drafts(np.array([4, 6, 4]), 5) == [6, 4]   # runs up to the end of the context
+    assert lookup_drafts(np.array([4, 6, 4]), 5) == [6, 4, 6, 4, 6]   # up to the end, then the loop again
+    assert lookup_drafts(np.array([7, 7, 7]), 4) == [7, 7, 7, 7]
     assert lookup_drafts(np.array([4]), 2) == [] and lookup_drafts(np.array([], dtype=np.int64), 2) == []
 
 

@@ -269,7 +269,8 @@ class LowConfidence(_Blocks):
 def lookup_drafts(context: np.ndarray, k: int, longest: int = 4) -> list[int]:
     """Drafts from the context itself (prompt lookup, as n-gram speculation in vLLM): the k tokens that
     followed the last earlier occurrence of the context's final n tokens, for the largest n <= `longest`
-    that occurred before; [] when even the last token is new."""
+    that occurred before; [] when even the last token is new. Where that continuation runs into the end of
+    the context (a loop: the occurrence overlaps the suffix), it goes on with the loop's period."""
     t = len(context)
     for n in range(min(longest, t - 1), 0, -1):
         found = context[: t - n] == context[t - n]           # starts s < t - n of an earlier occurrence
@@ -278,7 +279,9 @@ def lookup_drafts(context: np.ndarray, k: int, longest: int = 4) -> list[int]:
         hits = np.flatnonzero(found)
         if len(hits):
             start = int(hits[-1]) + n
-            return context[start: start + k].tolist()
+            drafts = context[start: start + k].tolist()
+            period = t - start                     # shorter than k: the drafts reached the context's end
+            return [drafts[i % period] for i in range(k)] if len(drafts) < k else drafts
     return []
 
 
@@ -344,13 +347,13 @@ class VerifyPolicy(_Blocks):
         if any(not s.params.greedy for s in seqs):
             return self.window
         hit = [s.draft_hit if s.drafts is not None else s.lookup_hit for s in seqs]
-        if self.cost_ratio is not None:
-            worth = any(self.expected(p, self.window) > self.cost_ratio for p in hit)
-            return self.window if worth else 0
-        n, best, best_rate = len(seqs), 0, 0.0
         left = [len(look) if s.drafts is None else len(s.block) - s.verified for s, look in zip(seqs, looked, strict=True)]
         if not any(left):
             return 0
+        if self.cost_ratio is not None:
+            worth = any(self.expected(p, self.window) > self.cost_ratio for p, r in zip(hit, left, strict=True) if r)
+            return self.window if worth else 0
+        n, best, best_rate = len(seqs), 0, 0.0
         for m in self.choices if not compiled else (0, self.window):
             times = self.seconds.get((m, n), ())
             if len(times) < 2:
@@ -464,8 +467,8 @@ class VerifyPolicy(_Blocks):
         save when the whole batch previews), else a forward of its own (timed apart); its drafts pay
         when the checks they make worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the
         time per token without a preview (a step, or a check of drafts from the context where those pay:
-        `_plain_time`), t that of the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose preview does not pay
-        are decoded by `ar` steps; after 1, 2, 4, then 8 such blocks in a row one is previewed again (a
+        `_plain_time`), t that of the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose
+        preview does not pay are decoded by checks of drafts from the context, or `ar` steps; after 1, 2, 4, then 8 such blocks in a row one is previewed again (a
         probe), so that the estimate p follows the text. Sampled requests and `cost_ratio` 0 preview
         every block; a fixed `cost_ratio` previews iff a full check would pay."""
         if not s.params.greedy or self.cost_ratio == 0:
@@ -630,7 +633,7 @@ class VerifyPolicy(_Blocks):
         s.block_steps[j:stop] = [s.step] * len(tokens)
         s.stats.drafts_proposed += m
         s.stats.drafts_accepted += kept
-        if s.params.record_steps:   # a block without a preview has no drafts: NO_DRAFT, confidence 0
+        if s.params.record_steps:   # slots with no draft (no preview, none from the context): NO_DRAFT, confidence 0
             draft = torch.where(s.resolved, s.block, NO_DRAFT if s.drafts is None else s.drafts)
             draft[j:end] = drafts
             conf = torch.ones(len(s.block)) if s.drafts is not None else s.resolved.float().cpu()
