@@ -468,8 +468,8 @@ class VerifyPolicy(_Blocks):
         when the checks they make worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the
         time per token without a preview (a step, or a check of drafts from the context where those pay:
         `_plain_time`), t that of the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose
-        preview does not pay are decoded by checks of drafts from the context, or `ar` steps; after 1, 2, 4, then 8 such blocks in a row one is previewed again (a
-        probe), so that the estimate p follows the text. Sampled requests and `cost_ratio` 0 preview
+        preview does not pay are decoded by checks of drafts from the context, or `ar` steps; after 1, 2, 4,
+        then 8 such blocks in a row one is previewed again (a probe), so that the estimate p follows the text. Sampled requests and `cost_ratio` 0 preview
         every block; a fixed `cost_ratio` previews iff a full check would pay."""
         if not s.params.greedy or self.cost_ratio == 0:
             return True
