@@ -235,7 +235,8 @@ def test_the_next_turn_reuses_a_verify_reply_drafted_from_its_context(model):
     engine = Engine(model, prefix_cache_bytes=64 << 20, policies={"verify": _NoPreviews(truth)})
     result = engine.generate([turn1], _params("verify", 40))[0]
     assert result.token_ids == truth
-    assert result.stats.previews_skipped >= 3 and result.stats.drafts_accepted > 20
+    assert result.stats.previews_skipped >= 3 and result.stats.lookup_accepted > 20
+    assert result.stats.lookup_accepted <= result.stats.lookup_drafts <= result.stats.drafts_proposed
     turn2 = turn1 + truth + _tokens(9, 5)
     got = engine.generate([turn2], _params("verify"))[0]
     assert got.token_ids == Engine(model).generate([turn2], _params("verify"))[0].token_ids

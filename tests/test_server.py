@@ -273,7 +273,8 @@ def test_metrics_use_vllms_names_and_count_a_request(server):
     assert moved("clover_http_errors_total", status="400") == 1
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "clover_engine_steps_total",
                  "clover_prefix_cache_hits_total", "clover_prefix_cache_tokens_reused_total",
-                 "clover_prefix_cache_bytes", "clover_drafts_accepted_total", "clover_requests_rejected_total"):
+                 "clover_prefix_cache_bytes", "clover_drafts_accepted_total", "clover_lookup_drafts_accepted_total",
+                 "clover_requests_rejected_total"):
         assert any(k[0] == name for k in after), name
 
 

@@ -622,7 +622,9 @@ class VerifyPolicy(_Blocks):
                 s.draft_hit += self._RATE * (hit - s.draft_hit)
             else:
                 s.lookup_hit += self._RATE * (hit - s.lookup_hit)
-        s.stats.lookup_drafts += m if s.drafts is None else 0
+        if s.drafts is None:
+            s.stats.lookup_drafts += m
+            s.stats.lookup_accepted += kept
         if s.matcher is not None:
             s.matcher.consume(tokens)
         s.step += 1

@@ -28,6 +28,7 @@ class GenerationStats:
     drafts_proposed: int = 0   # verify: draft tokens checked
     drafts_accepted: int = 0   # verify: draft tokens the causal head agreed with
     lookup_drafts: int = 0     # verify: those of the draft tokens checked that came from the context
+    lookup_accepted: int = 0   # verify: those of them the causal head agreed with
     wall_time: float = 0.0     # seconds from admission to finish
     model_time: float = 0.0    # seconds inside model forwards this sequence took part in
 

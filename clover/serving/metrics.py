@@ -72,10 +72,15 @@ class ServerMetrics:
         self.tpf = histogram("clover_request_tpf", "Tokens per forward of finished requests.", _TPF)
         self.drafts_proposed = counter("clover_drafts_proposed", "verify: draft tokens checked by the causal head.")
         self.drafts_accepted = counter("clover_drafts_accepted", "verify: draft tokens the causal head agreed with.")
+        self.lookup_proposed = counter("clover_lookup_drafts_proposed",
+                                       "verify: those of the draft tokens checked that came from the context.")
+        self.lookup_accepted = counter("clover_lookup_drafts_accepted",
+                                       "verify: those of the drafts from the context the causal head agreed with.")
         r.register(_LiveCounters(engine, model_name))
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
                        self.prompt_size, self.generation_size, self.prefix_queries, self.prefix_hits, self.nfe,
-                       self.tpf, self.drafts_proposed, self.drafts_accepted):
+                       self.tpf, self.drafts_proposed, self.drafts_accepted, self.lookup_proposed,
+                       self.lookup_accepted):
             metric.labels(model_name)   # every series exists (at zero) from the start, as vLLM's do
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
@@ -101,6 +106,8 @@ class ServerMetrics:
         self.tpf.labels(m).observe(stats.tpf)
         self.drafts_proposed.labels(m).inc(stats.drafts_proposed)
         self.drafts_accepted.labels(m).inc(stats.drafts_accepted)
+        self.lookup_proposed.labels(m).inc(stats.lookup_drafts)
+        self.lookup_accepted.labels(m).inc(stats.lookup_accepted)
 
     def request_ended(self, reason: str) -> None:
         self.success.labels(self.model_name, reason).inc()
