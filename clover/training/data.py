@@ -125,8 +125,8 @@ def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int]
                                                        "messages": task.messages, "tools": task.tools}) + "\n")
         for split, count in recall_counts.items():
             s = stats.setdefault("synthetic-recall", {"kind": "recall", "licence": LICENCES["synthetic-recall"]})
-            s[split] = {"documents": 0, "bytes": 0, "seeds": [recall_data.SPLIT_SEEDS[split],
-                                                               recall_data.SPLIT_SEEDS[split] + count - 1]}
+            s[split] = {"documents": 0, "bytes": 0, "seeds": [synthetic.SPLIT_SEEDS[split],
+                                                               synthetic.SPLIT_SEEDS[split] + count - 1]}
             for i, text in enumerate(recall_data.documents(split, count)):
                 files[split, "recall"].write(json.dumps({"source": "synthetic-recall", "name": str(i), "text": text})
                                              + "\n")

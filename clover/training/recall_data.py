@@ -10,7 +10,7 @@ numbers, made-up names, paths, dates, hex ids), stated once in one of several fo
 assignments, JSON, sentences, a plain sequence) and then asked for, repeated or reformatted. Every
 token is scored (AR pretraining): the first statement is noise, the copies are the lesson.
 
-Seeds decide everything; training, validation and test draw disjoint seed ranges (as the chat data).
+Seeds decide everything; training, validation and test draw disjoint seed ranges (the chat data's).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import random
 from collections.abc import Callable, Iterator
 
-SPLIT_SEEDS = {"train": 0, "val": 10_000_000, "test": 20_000_000}
+from clover.training.synthetic import SPLIT_SEEDS
 
 _SYLLABLES = ("ka ri mo len tas vel dor mi ssa bru qen zo fa nit lo gra pe hul wen tiv ar os "
               "ul cre dan vix pol sen thu").split()
