@@ -210,14 +210,14 @@ def test_only_a_forward_crossing_a_block_boundary_before_its_end_asks_for_a_gdn_
 
 
 class _NoPreviews(VerifyPolicy):
-    """`verify` that previews no block after the first; every later block drafts "from its context", here
+    """`verify` that previews no block, the first included; every block drafts "from its context", here
     `ar`'s own next tokens (`truth`), so that every draft is kept and checks cross block boundaries."""
 
     def __init__(self, truth: list[int]) -> None:
         super().__init__(window=4, cost_ratio=0)
         self.truth = truth
 
-    def preview_worth(self, s, n, k, compiled=False):
+    def preview_worth(self, s, n, k, compiled=False, prefill=False):
         return False
 
     def looked_up(self, s):

@@ -178,10 +178,12 @@ def test_kept_windows_continue_with_the_causal_heads_token(model, window):
 def _assert_cache_is_prefill_of(model, engine, s, tokens):
     n = s.cached
     assert s.pos - (0 if s.behind is None else len(s.behind)) <= n <= len(tokens)
-    ref = model.new_cache(1)
-    model.causal(torch.tensor([tokens[:n]]), ref, logits="none")
     cache, row = engine.cache, s.row
     assert int(cache.lengths[row]) == n
+    if n == 0:
+        return
+    ref = model.new_cache(1)
+    model.causal(torch.tensor([tokens[:n]]), ref, logits="none")
     for layer in range(len(cache.keys)):
         if cache.keys[layer] is not None:
             torch.testing.assert_close(cache.keys[layer][row, :, :n], ref.keys[layer][0, :, :n], atol=1e-5, rtol=0)
@@ -359,7 +361,13 @@ def test_each_forward_checks_the_number_of_drafts_that_yields_the_most_tokens_pe
     assert measured.drafts_to_check([seq(0.95)]) == 4              # 4.52 / 0.020 = 226 > 2.85 / 0.013 = 219
     assert measured.drafts_to_check([seq(0.1)]) == 0               # 1.1 / 0.012 = 92 < 100
     assert measured.drafts_to_check([seq(0.95, left=1)]) == 1      # one slot left: 1.95 tokens whatever m >= 1
-    assert measured.drafts_to_check([seq(0.5)] * 2) == 0           # another batch size is measured on its own
+    # another batch size: its step is measured (twice), the checks scaled from batch size 1 by the steps' ratio
+    assert measured.drafts_to_check([seq(0.5)] * 2) == 0
+    measured.seconds[(0, 2)] = deque([0.015, 0.015])
+    assert measured._time(2, 2) == pytest.approx(0.013 * 1.5) and measured._time(4, 3) is None
+    assert measured.drafts_to_check([seq(0.5)] * 2) == 2            # 2 * 1.75 / 0.0195 > 2 * 1.5 / 0.018 > 2 / 0.015
+    measured.seconds[(2, 2)] = deque([0.040])                       # measured: no longer scaled
+    assert measured.drafts_to_check([seq(0.5)] * 2) == 1
     assert measured.drafts_to_check([seq(0.1, temperature=0.8)]) == 4
     compiled = VerifyPolicy(window=4)   # compiled passes: a step or a full check (one graph per length)
     order = []
@@ -403,7 +411,9 @@ class EveryOtherPreview(VerifyPolicy):
         self.truth, self.prompt_len, self.vocab, self.poison = truth, prompt_len, vocab, poison
         self.left_behind: list[bool] = []
 
-    def preview_worth(self, s, n, k, compiled=False):
+    def preview_worth(self, s, n, k, compiled=False, prefill=False):
+        if prefill:
+            return True                                   # the first block (index 0)
         worth = (s.pos // s.block_size + 1) % 2 == 0      # the next block's index
         if not worth:
             self.left_behind.append(self.waiting(s))
@@ -543,6 +553,65 @@ def test_a_block_is_previewed_when_its_drafts_save_more_than_the_preview_costs()
     fixed = VerifyPolicy(window=4, cost_ratio=1.7)
     assert fixed.preview_worth(seq(0.5), 1, 1) and not fixed.preview_worth(seq(0.3), 1, 1)
 
+
+
+class _PlainFirstBlock(VerifyPolicy):
+    """`verify` whose first blocks are never previewed (the prefill commits whole prompt blocks causally;
+    a prompt tail waits for the first check); later blocks as the policy decides."""
+
+    def preview_worth(self, s, n, k, compiled=False, prefill=False):
+        return False if prefill else super().preview_worth(s, n, k, compiled)
+
+
+@pytest.mark.parametrize("lookup", [True, False])
+def test_a_first_block_without_a_preview_equals_ar_and_leaves_the_cache_a_prefill(model, lookup):
+    """Prompts with a tail, on a block boundary, shorter than a block, decoded together: the first block
+    drafts from the context or steps, and the output and the cache after each step are `ar`'s."""
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, algorithm="verify")
+    prompts = _prompts()
+    truth = [r.token_ids for r in Engine(model).generate(prompts, params.with_(algorithm="ar"))]
+    engine = Engine(model, max_batch_size=len(prompts), policies={"verify": _PlainFirstBlock(window=4, lookup=lookup)})
+    rids = [engine.add_request(p, params) for p in prompts]
+    results = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.finished:
+                results[ev.request_id] = ev.result
+        for s in engine.running:
+            if s.finish_reason is None and s.cached >= s.pos:
+                _assert_cache_is_prefill_of(model, engine, s, s.prompt + s.generated)
+    assert [results[r].token_ids for r in rids] == truth
+    for r in rids:
+        st = results[r].stats
+        assert st.previews_skipped >= 1 and st.prefill_forwards <= 1
+        assert st.preview_forwards + st.commit_forwards + st.previews_skipped == st.blocks
+
+
+def test_new_sequences_start_from_what_earlier_ones_found(model):
+    """The policy's prior (kept drafts, drafts found in the context) follows every observation, and a new
+    sequence starts from it: with a fixed cost ratio its first block is previewed iff the prior says the
+    drafts pay. The output is `ar`'s either way."""
+    prompt = _prompts()[0]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, algorithm="verify")
+    truth = Engine(model).generate([prompt], params.with_(algorithm="ar"))[0].token_ids
+    policy = VerifyPolicy(window=4, cost_ratio=1.7)   # preview iff 1 + p + .. + p^4 > 1.7: p > 0.41
+    engine = Engine(model, policies={"verify": policy})
+    for hit, previewed in ((0.1, False), (0.9, True)):
+        policy.prior["draft_hit"] = hit
+        engine.add_request(prompt, params)
+        engine.step()                                         # admission and prefill
+        (s,) = engine.running
+        assert s.draft_hit == hit and (s.drafts is not None) == previewed
+        while engine.has_unfinished():
+            for ev in engine.step():
+                if ev.finished:
+                    assert ev.result.token_ids == truth
+        assert policy.prior["draft_hit"] != hit               # it learned from this sequence's checks
+    before = dict(policy.prior)
+    s = SequenceState("r", [1], SamplingParams(), 8, torch.Generator(), torch.zeros(4), 0.0)
+    policy._learn(s, "lookup_hit", 1.0)
+    assert s.lookup_hit == 0.5 + policy._RATE * 0.5
+    assert policy.prior["lookup_hit"] == pytest.approx(before["lookup_hit"] + policy._PRIOR * (1 - before["lookup_hit"]))
 
 def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffix():
     ctx = np.array([5, 1, 2, 3, 9, 1, 2, 4, 7, 8, 1, 2])

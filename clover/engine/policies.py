@@ -306,10 +306,12 @@ class VerifyPolicy(_Blocks):
     m = 0 (an `ar` step, whose pick still says whether the draft would have been kept) or m in 1, 2,
     4, ... up to `window` (with compiled passes 0 or `window` only: each check length is a graph to
     build), the one that maximises the tokens it expects per second: each sequence
-    expects 1 + p + p^2 + ... + p^m tokens, with p a running estimate of how often its drafts are kept,
+    expects 1 + p + p^2 + ... + p^m tokens, with p a running estimate of how often its drafts are kept
+    (a new sequence starts from the policy's estimate over the sequences before it: `prior`),
     and the forward of m drafts takes the fastest of its last 8 measured times (per batch size,
     the verification and the `keep` included; every m tried twice first: a first call may compile
-    it). The output is `ar`'s whatever the choice. One choice serves the batch (one forward). A fixed
+    it; a batch size not measured yet scales the nearest one measured by the ratio of their steps).
+    The output is `ar`'s whatever the choice. One choice serves the batch (one forward). A fixed
     `cost_ratio` (the time of a `window`-draft check over a step) limits the choice to a step or a full
     check, the check iff a sequence expects more tokens than the ratio (0 always checks). Sampled
     requests (temperature > 0) always check `window` drafts, so that a seed gives the same tokens
@@ -321,7 +323,8 @@ class VerifyPolicy(_Blocks):
     to check. Such drafts cost nothing to make, and the check decides as for any draft.
     """
 
-    _RATE = 0.25   # weight of each new observation in the running estimate of kept drafts
+    _RATE = 0.25    # weight of each new observation in a sequence's running estimates
+    _PRIOR = 0.05   # ... and in the policy's, which new sequences start from
 
     def __init__(self, window: int = 8, cost_ratio: float | None = None, lookup: bool = True) -> None:
         if window < 1:
@@ -330,7 +333,11 @@ class VerifyPolicy(_Blocks):
             raise ValueError(f"cost_ratio must be >= 0 or None, got {cost_ratio}")
         self.window, self.cost_ratio, self.lookup = window, cost_ratio, lookup
         self.choices = [0] + sorted({min(2 ** i, window) for i in range(window.bit_length() + 1)})
-        self.seconds: dict[tuple[int, int], deque[float]] = {}   # recent forward times per (drafts, batch size)
+        self.seconds: dict[tuple[int | str, int], deque[float]] = {}   # recent forward times per (drafts, batch size)
+        # what the sequences decoded so far found (draft_hit, lookup_hit, lookup_found): a new sequence starts
+        # from it rather than from a guess, so that short replies (an agent's turn is one or two blocks) decide
+        # well from their first block; it steers speed only, never the tokens
+        self.prior = {"draft_hit": 0.5, "lookup_hit": 0.5, "lookup_found": 0.5}
 
     @staticmethod
     def expected(p: float, m: int) -> float:
@@ -355,13 +362,44 @@ class VerifyPolicy(_Blocks):
             return self.window if worth else 0
         n, best, best_rate = len(seqs), 0, 0.0
         for m in self.choices if not compiled else (0, self.window):
-            times = self.seconds.get((m, n), ())
-            if len(times) < 2:
-                return m                      # try each choice twice
-            rate = sum(self.expected(p, min(m, r)) for p, r in zip(hit, left, strict=True)) / min(times)
+            tried = len(self.seconds.get((0, n), ())) if m == 0 else sum(
+                len(times) for key, times in self.seconds.items() if key[0] == m)
+            took = self._time(m, n)
+            if tried < 2 or took is None:
+                return m                      # try each choice twice (a step at each batch size)
+            rate = sum(self.expected(p, min(m, r)) for p, r in zip(hit, left, strict=True)) / took
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
+
+    def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
+        """Start from the policy's prior; the first blocks worth a preview (`preview_worth`) are previewed
+        fused with the prompts' prefill (as for block diffusion), the others prefilled as `ar` prefills (the
+        whole prompt; its last logits fill the first free slot), then drafted from the context."""
+        for s in seqs:
+            s.draft_hit, s.lookup_hit, s.lookup_found = (self.prior[k] for k in ("draft_hit", "lookup_hit", "lookup_found"))
+        compiled = engine.model.decode_compiled
+        n = sum(r.params.algorithm == "verify" and r not in engine.prefilling for r in engine.running)  # will step together
+        plain = [s for s in seqs if not self.preview_worth(s, n, len(seqs), compiled, prefill=True)]
+        previewed = [s for s in seqs if s not in plain]
+        if previewed:
+            # a prefill of at most one token a row is the forward of a commit with the preview: timed as one
+            like_commit = all(len(s.prompt) // s.block_size * s.block_size - s.pos <= 1 for s in previewed)
+            t0 = time.perf_counter()
+            super().prefill(engine, previewed, events)
+            if like_commit:
+                self._record(("preview", len(previewed)), t0, engine.model.device)
+        if plain:   # as `ar` prefills: the whole rest of the prompt, whose last logits give the first free slot
+            logits = engine.forward(plain, "causal", engine.pad([s.prompt[s.pos:] for s in plain], 0),
+                                    [len(s.prompt) - s.pos for s in plain], logits="last")
+            for s, carry in zip(plain, logits, strict=True):
+                s.pos = len(s.prompt) // s.block_size * s.block_size
+                self.start_block(engine, s)
+                s.cached, s.drafts, s.draft_probs = len(s.prompt), None, None
+                s.stats.prefill_forwards += 1
+                s.stats.previews_skipped += 1
+                with engine.isolated(s, events):
+                    self._first_slot(engine, s, carry, events)
 
     def reusable(self, s: SequenceState) -> int:
         """As for block diffusion, but a prompt that ends on a block boundary keeps its last token to
@@ -397,9 +435,11 @@ class VerifyPolicy(_Blocks):
             picks = engine.greedy_picks(seqs, logits[:, 0])
         else:
             # one shape per choice (the pending token and the chosen drafts), padded to it; a prompt
-            # tail's is wider, padded to a block (one compiled shape), and not timed (it says nothing of
+            # tail's is wider (compiled: padded to a block, one shape), and not timed (it says nothing of
             # the usual cost)
-            width = 1 + chosen if max(lengths) <= 1 + chosen else max(max(lengths), engine.config.block_size)
+            width = 1 + chosen if max(lengths) <= 1 + chosen else max(lengths)
+            if width > 1 + chosen and engine.model.decode_compiled:
+                width = max(width, engine.config.block_size)
             ids = engine.pad(inputs, 0)
             ids = torch.cat([ids, ids.new_zeros(n, width - ids.shape[1])], dim=1)
             logits, trail = engine.forward(seqs, "check", ids, lengths)
@@ -444,8 +484,28 @@ class VerifyPolicy(_Blocks):
             s.prompt_array = np.asarray(s.prompt, dtype=np.int64)
         context = np.concatenate([s.prompt_array, np.asarray(s.generated, dtype=np.int64)])
         found = lookup_drafts(context, min(self.window, len(s.block) - s.verified))
-        s.lookup_found += self._RATE * (bool(found) - s.lookup_found)
+        self._learn(s, "lookup_found", bool(found))
         return found
+
+    def _learn(self, s: SequenceState, name: str, seen: float) -> None:
+        """One observation of the running estimate `name` (draft_hit, lookup_hit, lookup_found): into the
+        sequence's (weight _RATE) and into the policy's prior (weight _PRIOR)."""
+        setattr(s, name, getattr(s, name) + self._RATE * (seen - getattr(s, name)))
+        self.prior[name] += self._PRIOR * (seen - self.prior[name])
+
+    def _time(self, m: int | str, n: int) -> float | None:
+        """The best recent time of a forward checking m drafts (0: a step; "preview", "preview alone": a
+        preview fused with a commit, or of its own) for n sequences: measured, else that at the nearest
+        batch size measured, scaled by the ratio of the steps at the two sizes (so that a batch whose size
+        changes as its sequences finish or start blocks apart does not try every choice at every size);
+        None where there is neither."""
+        if (m, n) in self.seconds:
+            return min(self.seconds[m, n])
+        sizes = sorted((abs(k - n), -k) for key, k in self.seconds if key == m and (0, k) in self.seconds)
+        if not sizes or (0, n) not in self.seconds:
+            return None
+        k = -sizes[0][1]
+        return min(self.seconds[m, k]) * min(self.seconds[0, n]) / min(self.seconds[0, k])
 
     def _record(self, key: tuple, t0: float, dev: torch.device) -> None:
         """Keep the time since t0 among the last 8 of `key` (on CUDA after the kernels finish: they run
@@ -460,17 +520,19 @@ class VerifyPolicy(_Blocks):
         the next block's preview); else the check that ended the block kept every draft."""
         return s.cached < s.pos + len(s.block)
 
-    def preview_worth(self, s: SequenceState, n: int, k: int, compiled: bool = False) -> bool:
+    def preview_worth(self, s: SequenceState, n: int, k: int, compiled: bool = False, prefill: bool = False) -> bool:
         """Whether to preview this sequence's next block (`n` sequences step together, `k` finish a block
-        now). A preview costs a forward over the block's positions (`k` rows), fused with the commit of
-        the block's last token where that one waits for the cache (less the `ar` step the fused logits
+        now; `prefill`: its first block, whose preview the prompt's forward would carry). A preview costs
+        a forward over the block's positions (`k` rows), fused with the commit of the block's last token where that one waits for the cache (less the `ar` step the fused logits
         save when the whole batch previews), else a forward of its own (timed apart); its drafts pay
         when the checks they make worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the
         time per token without a preview (a step, or a check of drafts from the context where those pay:
         `_plain_time`), t that of the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose
         preview does not pay are decoded by checks of drafts from the context, or `ar` steps; after 1, 2, 4,
-        then 8 such blocks in a row one is previewed again (a probe), so that the estimate p follows the text. Sampled requests and `cost_ratio` 0 preview
-        every block; a fixed `cost_ratio` previews iff a full check would pay."""
+        then 8 such blocks in a row one is previewed again (a probe), so that the estimate p follows the text
+        (after n times as many where the probe is a forward apart from the rest of the batch's n sequences,
+        all of which it delays). Sampled requests and `cost_ratio` 0 preview every block; a fixed `cost_ratio` previews iff
+        a full check would pay."""
         if not s.params.greedy or self.cost_ratio == 0:
             return True
         if self.cost_ratio is not None:
@@ -480,19 +542,20 @@ class VerifyPolicy(_Blocks):
             # logits give the first slot, which a block without a preview takes an `ar` step for (a step of
             # the batch saved if the whole batch previews now); else the preview is a forward of its own
             # and the check before it predicted the first slot anyway
-            fused = self.waiting(s)
-            step, preview = self.seconds.get((0, n)), self.seconds.get(("preview" if fused else "preview alone", k))
-            if not step or not preview:
+            fused = prefill or self.waiting(s)
+            t0, preview = self._time(0, n), self._time("preview" if fused else "preview alone", k)
+            if t0 is None or preview is None:
                 return True                                   # not measured yet: preview (and measure)
-            t0 = min(step)
-            rates = [self.expected(s.draft_hit, m) / min(self.seconds[m, n]) for m in self.choices[1:]
-                     if (m, n) in self.seconds and (not compiled or m == self.window)]
+            times = {m: self._time(m, n) for m in self.choices[1:] if not compiled or m == self.window}
+            rates = [self.expected(s.draft_hit, m) / t for m, t in times.items() if t is not None]
             if not rates:
                 return True
             left = min(s.block_size, s.params.max_new_tokens - len(s.generated))
             plain = self._plain_time(s, n, t0, compiled)
-            worth = left * (plain - 1 / max(rates)) > min(preview) - (t0 if fused and k == n else 0.0)
-        if worth or s.skipped >= s.skip_limit:
+            saved = t0 if fused and k == n and not prefill else 0.0
+            worth = left * (plain - 1 / max(rates)) > preview - saved
+        # a probe that needs a forward apart from the batch's delays all n sequences: n times as rare
+        if worth or s.skipped >= s.skip_limit * (1 if k == n else n):
             s.skip_limit = 1 if worth else min(2 * s.skip_limit, 8)
             s.skipped = 0
             return True
@@ -506,9 +569,10 @@ class VerifyPolicy(_Blocks):
         best = t0
         if self.lookup and s.matcher is None:
             for m in self.choices[1:]:
-                if (m, n) in self.seconds and (not compiled or m == self.window):
+                took = self._time(m, n) if not compiled or m == self.window else None
+                if took is not None:
                     tokens = 1 + s.lookup_found * (self.expected(s.lookup_hit, m) - 1)
-                    best = min(best, min(self.seconds[m, n]) / tokens)
+                    best = min(best, took / tokens)
         return best
 
     def next_block(self, engine: Engine, seqs: list[SequenceState], events: list[Event], n: int) -> None:
@@ -618,10 +682,7 @@ class VerifyPolicy(_Blocks):
         else:
             seen = [tokens[0] == int(offered[0])] if len(offered) else []
         for hit in seen:
-            if s.drafts is not None:
-                s.draft_hit += self._RATE * (hit - s.draft_hit)
-            else:
-                s.lookup_hit += self._RATE * (hit - s.lookup_hit)
+            self._learn(s, "draft_hit" if s.drafts is not None else "lookup_hit", hit)
         if s.drafts is None:
             s.stats.lookup_drafts += m
             s.stats.lookup_accepted += kept
