@@ -94,8 +94,9 @@ def _repeated(repeats: int, decoders: dict, prompts: list[list[int]], warm: bool
 
 
 def prompt_sets(names: list[str], lengths: list[int], batch: int, model: CloverForCausalLM,
-                tokenizer: Tokenizer | None) -> list[tuple[str, list[list[int]]]]:
-    """(label, prompts) for each prompt set."""
+                tokenizer: Tokenizer | None, queue: int = 1) -> list[tuple[str, list[list[int]]]]:
+    """(label, prompts) for each prompt set; code and agent sets have `queue` prompts per batch slot
+    (at least 8)."""
     gen = torch.Generator().manual_seed(0)
     high = min(model.config.vocab_size, model.config.mask_token_id) - 1
     out = []
@@ -105,9 +106,9 @@ def prompt_sets(names: list[str], lengths: list[int], batch: int, model: CloverF
         elif tokenizer is None:
             print(f"skipping the {name} prompts: the model has no tokenizer")
         elif name == "code":  # at least 8 prompts, `batch` of them decoded together
-            out.append(("code", [tokenizer.encode(CODE[i % len(CODE)]) for i in range(max(batch, 8))]))
+            out.append(("code", [tokenizer.encode(CODE[i % len(CODE)]) for i in range(max(batch * queue, 8))]))
         elif name == "agent":
-            tasks = synthetic.tasks("test", max(batch, 8), ("calc", "notes", "files", "recall"))
+            tasks = synthetic.tasks("test", max(batch * queue, 8), ("calc", "notes", "files", "recall"))
             out.append(("agent", [tokenizer.encode(tokenizer.apply_chat_template(
                 t.prompt_messages, tools=t.tools, enable_thinking=False)) for t in tasks]))
         else:
@@ -129,6 +130,9 @@ def main() -> None:
                         help="also measure verify (default window) without drafts from the context")
     parser.add_argument("--context", type=int, help="the tiny preset at random with this context (long prompts)")
     parser.add_argument("--max-prefill-tokens", type=int, help="chunked prefill of at most this many tokens a step")
+    parser.add_argument("--queue", type=int, default=1,
+                        help="code and agent prompts per batch slot: with more than 1, a finished request's slot "
+                             "takes the next (continuous batching, as a server sees it)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
     parser.add_argument("--compile", action="store_true",
                         help="run every decoder with its passes compiled (model.compile_decode; each run once untimed "
@@ -152,7 +156,7 @@ def main() -> None:
         "threads": torch.get_num_threads(), "device": "cpu", "dtype": "float32", "model": source,
         "parameters": model.config.num_parameters()[0], "new_tokens": args.new_tokens, "greedy": True,
         "ignore_eos": "random and code prompts", "context": model.config.max_position_embeddings,
-        "max_prefill_tokens": args.max_prefill_tokens, "compiled": args.compile, "repeats": args.repeats,
+        "max_prefill_tokens": args.max_prefill_tokens, "queue": args.queue, "compiled": args.compile, "repeats": args.repeats,
         "agent_replies": "to their end (at most new_tokens)",
     }
     print("conditions:", json.dumps(conditions))
@@ -167,7 +171,7 @@ def main() -> None:
             verifiers[f"verify-w{VerifyPolicy().window}-nolookup"] = Engine(
                 model, policies={"verify": VerifyPolicy(lookup=False)}, **opts)
         sets = prompt_sets(args.prompts.split(","), [int(n) for n in args.prompt_lengths.split(",")], batch, model,
-                           tokenizer)
+                           tokenizer, args.queue)
         for label, prompts in sets:
             # code and random prompts: a fixed continuation length; agent prompts: the reply, to its end
             base = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=label != "agent")
