@@ -366,7 +366,9 @@ def test_each_forward_checks_the_number_of_drafts_that_yields_the_most_tokens_pe
     measured.seconds[(0, 2)] = deque([0.015, 0.015])
     assert measured._time(2, 2) == pytest.approx(0.013 * 1.5) and measured._time(4, 3) is None
     assert measured.drafts_to_check([seq(0.5)] * 2) == 2            # 2 * 1.75 / 0.0195 > 2 * 1.5 / 0.018 > 2 / 0.015
-    measured.seconds[(2, 2)] = deque([0.040])                       # measured: no longer scaled
+    measured.seconds[(2, 2)] = deque([0.040])                       # one sample: not trusted over the scaled
+    assert measured._time(2, 2) == pytest.approx(0.0195) and measured.drafts_to_check([seq(0.5)] * 2) == 2
+    measured.seconds[(2, 2)].append(0.040)                          # measured twice: no longer scaled
     assert measured.drafts_to_check([seq(0.5)] * 2) == 1
     assert measured.drafts_to_check([seq(0.1, temperature=0.8)]) == 4
     compiled = VerifyPolicy(window=4)   # compiled passes: a step or a full check (one graph per length)
@@ -563,14 +565,19 @@ class _PlainFirstBlock(VerifyPolicy):
         return False if prefill else super().preview_worth(s, n, k, compiled)
 
 
-@pytest.mark.parametrize("lookup", [True, False])
-def test_a_first_block_without_a_preview_equals_ar_and_leaves_the_cache_a_prefill(model, lookup):
-    """Prompts with a tail, on a block boundary, shorter than a block, decoded together: the first block
-    drafts from the context or steps, and the output and the cache after each step are `ar`'s."""
+@pytest.mark.parametrize(("lookup", "setup"), [(True, "plain"), (False, "plain"), (True, "chunked"), (True, "prefix")])
+def test_a_first_block_without_a_preview_equals_ar_and_leaves_the_cache_a_prefill(model, lookup, setup):
+    """Prompts with a tail, on a block boundary, shorter than a block, decoded together (prefilled at
+    once, in chunks of a block, or after a prefix restored from the cache): the first block drafts from
+    the context or steps, and the output and the cache after each step are `ar`'s."""
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, algorithm="verify")
     prompts = _prompts()
     truth = [r.token_ids for r in Engine(model).generate(prompts, params.with_(algorithm="ar"))]
-    engine = Engine(model, max_batch_size=len(prompts), policies={"verify": _PlainFirstBlock(window=4, lookup=lookup)})
+    opts = {"chunked": {"max_prefill_tokens": 8}, "prefix": {"prefix_cache_bytes": 64 << 20}}.get(setup, {})
+    engine = Engine(model, max_batch_size=len(prompts), policies={"verify": _PlainFirstBlock(window=4, lookup=lookup)},
+                    **opts)
+    if setup == "prefix":   # the same prompts once before: their whole blocks are restored
+        assert [r.token_ids for r in engine.generate(prompts, params)] == truth
     rids = [engine.add_request(p, params) for p in prompts]
     results = {}
     while engine.has_unfinished():
@@ -581,10 +588,16 @@ def test_a_first_block_without_a_preview_equals_ar_and_leaves_the_cache_a_prefil
             if s.finish_reason is None and s.cached >= s.pos:
                 _assert_cache_is_prefill_of(model, engine, s, s.prompt + s.generated)
     assert [results[r].token_ids for r in rids] == truth
-    for r in rids:
+    for r, p in zip(rids, prompts, strict=True):
         st = results[r].stats
-        assert st.previews_skipped >= 1 and st.prefill_forwards <= 1
+        # chunks of a block before the policy's prefill, up to the block under `reusable`, where that is past 8
+        limit = (len(p) // 8 * 8 - (len(p) % 8 == 0)) // 8 * 8
+        chunks = limit // 8 if setup == "chunked" and limit > 8 else 0
+        assert st.previews_skipped >= 1 and st.prefill_forwards == 1 + chunks
         assert st.preview_forwards + st.commit_forwards + st.previews_skipped == st.blocks
+        assert st.nfe == st.preview_forwards + st.commit_forwards + st.check_forwards
+        if setup == "prefix":
+            assert st.cached_tokens == (len(p) - 1) // 8 * 8
 
 
 def test_new_sequences_start_from_what_earlier_ones_found(model):

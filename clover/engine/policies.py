@@ -379,7 +379,8 @@ class VerifyPolicy(_Blocks):
         for s in seqs:
             s.draft_hit, s.lookup_hit, s.lookup_found = (self.prior[k] for k in ("draft_hit", "lookup_hit", "lookup_found"))
         compiled = engine.model.decode_compiled
-        n = sum(r.params.algorithm == "verify" and r not in engine.prefilling for r in engine.running)  # will step together
+        n = sum(engine.policies.get(r.params.algorithm) is self and r not in engine.prefilling
+                for r in engine.running)                      # the sequences that will step together
         plain = [s for s in seqs if not self.preview_worth(s, n, len(seqs), compiled, prefill=True)]
         previewed = [s for s in seqs if s not in plain]
         if previewed:
@@ -397,6 +398,7 @@ class VerifyPolicy(_Blocks):
                 self.start_block(engine, s)
                 s.cached, s.drafts, s.draft_probs = len(s.prompt), None, None
                 s.stats.prefill_forwards += 1
+                s.stats.check_forwards += 1        # it gives the block's first token, as a step does
                 s.stats.previews_skipped += 1
                 with engine.isolated(s, events):
                     self._first_slot(engine, s, carry, events)
@@ -489,23 +491,30 @@ class VerifyPolicy(_Blocks):
 
     def _learn(self, s: SequenceState, name: str, seen: float) -> None:
         """One observation of the running estimate `name` (draft_hit, lookup_hit, lookup_found): into the
-        sequence's (weight _RATE) and into the policy's prior (weight _PRIOR)."""
+        sequence's (weight _RATE) and, from greedy requests, into the policy's prior (weight _PRIOR: it
+        follows the last few requests' checks, whichever they were)."""
         setattr(s, name, getattr(s, name) + self._RATE * (seen - getattr(s, name)))
-        self.prior[name] += self._PRIOR * (seen - self.prior[name])
+        if s.params.greedy:   # (a sampled draft is kept by chance as well: not what a greedy one expects)
+            self.prior[name] += self._PRIOR * (seen - self.prior[name])
 
     def _time(self, m: int | str, n: int) -> float | None:
         """The best recent time of a forward checking m drafts (0: a step; "preview", "preview alone": a
-        preview fused with a commit, or of its own) for n sequences: measured, else that at the nearest
-        batch size measured, scaled by the ratio of the steps at the two sizes (so that a batch whose size
-        changes as its sequences finish or start blocks apart does not try every choice at every size);
-        None where there is neither."""
-        if (m, n) in self.seconds:
-            return min(self.seconds[m, n])
-        sizes = sorted((abs(k - n), -k) for key, k in self.seconds if key == m and (0, k) in self.seconds)
-        if not sizes or (0, n) not in self.seconds:
-            return None
-        k = -sizes[0][1]
-        return min(self.seconds[m, k]) * min(self.seconds[0, n]) / min(self.seconds[0, k])
+        preview fused with a commit, or of its own) for n sequences: measured twice or more, else that at
+        the nearest batch size so measured, scaled by the ratio of the steps at the two sizes (so that a
+        batch whose size changes as its sequences finish or start blocks apart does not try every choice at
+        every size), or a single measurement where it is faster; None where there is neither."""
+        exact = self.seconds.get((m, n), ())
+        if len(exact) >= 2:
+            return min(exact)
+        sizes = sorted((abs(k - n), -k) for (key, k), times in self.seconds.items()
+                       if key == m and k != n and len(times) >= 2 and (0, k) in self.seconds)
+        scaled = None
+        if sizes and (0, n) in self.seconds:
+            k = -sizes[0][1]
+            scaled = min(self.seconds[m, k]) * min(self.seconds[0, n]) / min(self.seconds[0, k])
+        if exact:   # one sample alone may be a first call, or noise: not trusted over the scaled estimate
+            return min(exact) if scaled is None else min(min(exact), scaled)
+        return scaled
 
     def _record(self, key: tuple, t0: float, dev: torch.device) -> None:
         """Keep the time since t0 among the last 8 of `key` (on CUDA after the kernels finish: they run
@@ -550,10 +559,12 @@ class VerifyPolicy(_Blocks):
             rates = [self.expected(s.draft_hit, m) / t for m, t in times.items() if t is not None]
             if not rates:
                 return True
-            left = min(s.block_size, s.params.max_new_tokens - len(s.generated))
+            tail = len(s.prompt) % s.block_size if prefill else 0     # a prompt tail in the first block
+            left = min(s.block_size - tail, s.params.max_new_tokens - len(s.generated))
             plain = self._plain_time(s, n, t0, compiled)
             saved = t0 if fused and k == n and not prefill else 0.0
-            worth = left * (plain - 1 / max(rates)) > preview - saved
+            # previewed, a prompt tail takes a check of its own (else the prefill's logits give the first slot)
+            worth = left * (plain - 1 / max(rates)) > preview - saved + (t0 if tail else 0.0)
         # a probe that needs a forward apart from the batch's delays all n sequences: n times as rare
         if worth or s.skipped >= s.skip_limit * (1 if k == n else n):
             s.skip_limit = 1 if worth else min(2 * s.skip_limit, 8)
