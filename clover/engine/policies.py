@@ -320,7 +320,9 @@ class VerifyPolicy(_Blocks):
     A block decoded without a preview has no drafts of its own; a greedy sequence without a grammar then
     drafts from its context (`lookup` on: `lookup_drafts`, up to `window` tokens, within the block), with
     its own running estimate of how often those are kept (`lookup_hit`), and the same choice of how many
-    to check. Such drafts cost nothing to make, and the check decides as for any draft.
+    to check. Such drafts cost nothing to make, and the check decides as for any draft. The first block
+    is no exception: where its preview would not pay (`preview_worth`), the prompt is prefilled as `ar`
+    prefills it and the block drafts from the context.
     """
 
     _RATE = 0.25    # weight of each new observation in a sequence's running estimates
