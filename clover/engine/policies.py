@@ -377,7 +377,9 @@ class VerifyPolicy(_Blocks):
     def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         """Start from the policy's prior; the first blocks worth a preview (`preview_worth`) are previewed
         fused with the prompts' prefill (as for block diffusion), the others prefilled as `ar` prefills (the
-        whole prompt; its last logits fill the first free slot), then drafted from the context."""
+        whole prompt; its last logits fill the first free slot), then drafted from the context. (A deviation
+        from spec section 5b, "same prefill as `low_confidence`", for blocks with nothing to preview: the
+        output is `ar`'s either way, and this saves the prompt tail a forward of its own.)"""
         for s in seqs:
             s.draft_hit, s.lookup_hit, s.lookup_found = (self.prior[k] for k in ("draft_hit", "lookup_hit", "lookup_found"))
         compiled = engine.model.decode_compiled
