@@ -8,7 +8,7 @@ Prompt sets: 8 `code` openings and the 8 `agent` prompts of benchmarks/decode.py
 of 20 agent conversations of validation seeds (tool results in the context). Prints its conditions, a
 table, and one JSON line last.
 
-    python benchmarks/lookup.py [--model DIR] [--windows 4,8]
+    python benchmarks/lookup.py [--model DIR] [--windows 4,8] [--shortest 1,2]
 """
 
 from __future__ import annotations
@@ -31,14 +31,22 @@ from clover.training.agent_data import training_tasks
 from clover.training.data import assistant_turns
 
 
-def tokens_per_check(prompt: list[int], out: list[int], window: int) -> tuple[int, int]:
-    """(tokens, checks) of decoding `out` after `prompt` with one check per window of context drafts."""
+def tokens_per_check(prompt: list[int], out: list[int], window: int, shortest: int = 1,
+                     by_match: dict | None = None) -> tuple[int, int]:
+    """(tokens, checks) of decoding `out` after `prompt` with one check per window of context drafts (found
+    for a suffix of `shortest` tokens or more). `by_match`, when given, collects per length of the matched
+    suffix [checks with drafts, drafts kept]."""
     tokens = checks = i = 0
     while i < len(out):
-        drafts = lookup_drafts(np.asarray(prompt + out[:i], dtype=np.int64), window)
+        context = np.asarray(prompt + out[:i], dtype=np.int64)
+        drafts = lookup_drafts(context, window, shortest=shortest)
         kept = 0
         while kept < len(drafts) and i + kept < len(out) and drafts[kept] == out[i + kept]:
             kept += 1
+        if drafts and by_match is not None:   # the longest suffix that matched: the first n that finds these
+            n = next(n for n in range(4, 0, -1) if lookup_drafts(context, window, longest=n, shortest=n) == drafts)
+            row = by_match.setdefault(n, [0, 0])
+            row[0], row[1] = row[0] + 1, row[1] + kept
         step = min(kept + 1, len(out) - i)
         tokens, checks, i = tokens + step, checks + 1, i + step
     return tokens, checks
@@ -49,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint (default: the shipped model)")
     parser.add_argument("--windows", default="4,8")
+    parser.add_argument("--shortest", default="1", help="shortest suffixes matched (lookup_drafts' `shortest`)")
     args = parser.parse_args()
     loaded = load_for_generation(args.model, "float32", "cpu")
     model, tok = loaded.model, loaded.tokenizer
@@ -69,16 +78,22 @@ def main() -> None:
     for name, (prompts, new, ignore_eos) in sets.items():
         outs = engine.generate(prompts, SamplingParams(algorithm="ar", max_new_tokens=new, ignore_eos=ignore_eos))
         for w in map(int, args.windows.split(",")):
-            tokens = checks = 0
-            for p, r in zip(prompts, outs, strict=True):
-                t, c = tokens_per_check(p, r.token_ids, w)
-                tokens, checks = tokens + t, checks + c
-            rows.append({"prompts": name, "count": len(prompts), "window": w, "tokens": tokens, "checks": checks,
-                         "tokens_per_check": tokens / checks})
-    print(f"\n{'prompts':>16} {'count':>5} {'window':>6} {'tokens':>7} {'checks':>7} {'tok/check':>9}")
+            for shortest in map(int, args.shortest.split(",")):
+                tokens = checks = 0
+                by_match: dict = {}
+                for p, r in zip(prompts, outs, strict=True):
+                    t, c = tokens_per_check(p, r.token_ids, w, shortest, by_match)
+                    tokens, checks = tokens + t, checks + c
+                rows.append({"prompts": name, "count": len(prompts), "window": w, "shortest": shortest,
+                             "tokens": tokens, "checks": checks, "tokens_per_check": tokens / checks,
+                             "kept_per_drafted_check": {n: kept / c for n, (c, kept) in sorted(by_match.items())},
+                             "drafted_checks": {n: c for n, (c, _) in sorted(by_match.items())}})
+    print(f"\n{'prompts':>16} {'count':>5} {'window':>6} {'min n':>5} {'tokens':>7} {'checks':>7} {'tok/check':>9}"
+          f"  kept per check with drafts, by matched n (checks)")
     for r in rows:
-        print(f"{r['prompts']:>16} {r['count']:>5} {r['window']:>6} {r['tokens']:>7} {r['checks']:>7} "
-              f"{r['tokens_per_check']:9.2f}")
+        kept = ", ".join(f"{n}: {k:.2f} ({r['drafted_checks'][n]})" for n, k in r["kept_per_drafted_check"].items())
+        print(f"{r['prompts']:>16} {r['count']:>5} {r['window']:>6} {r['shortest']:>5} {r['tokens']:>7} "
+              f"{r['checks']:>7} {r['tokens_per_check']:9.2f}  {kept}")
     print(json.dumps({"benchmark": "lookup", "conditions": conditions, "results": rows}))
 
 

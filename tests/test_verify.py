@@ -630,6 +630,7 @@ def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffi
     ctx = np.array([5, 1, 2, 3, 9, 1, 2, 4, 7, 8, 1, 2])
     assert lookup_drafts(ctx, 3) == [4, 7, 8]            # "1 2" last seen before "4 7 8" (not "3 9")
     assert lookup_drafts(ctx, 3, longest=1) == [4, 7, 8]  # "2" alone: the same occurrence
+    assert lookup_drafts(ctx, 3, shortest=2) == [4, 7, 8] and lookup_drafts(ctx, 3, shortest=3) == []  # "8 1 2" is new
     assert lookup_drafts(np.array([3, 1, 2, 0, 1, 2, 3, 1, 2]), 2) == [0, 1]   # "3 1 2" beats "1 2"
     assert lookup_drafts(np.array([1, 2, 3]), 4) == []    # the last token is new
     assert lookup_drafts(np.array([4, 6, 4]), 5) == [6, 4, 6, 4, 6]   # up to the end, then the loop again

@@ -266,13 +266,14 @@ class LowConfidence(_Blocks):
             ))
 
 
-def lookup_drafts(context: np.ndarray, k: int, longest: int = 4) -> list[int]:
+def lookup_drafts(context: np.ndarray, k: int, longest: int = 4, shortest: int = 1) -> list[int]:
     """Drafts from the context itself (prompt lookup, as n-gram speculation in vLLM): the k tokens that
     followed the last earlier occurrence of the context's final n tokens, for the largest n <= `longest`
-    that occurred before; [] when even the last token is new. Where that continuation runs into the end of
-    the context (a loop: the occurrence overlaps the suffix), it goes on with the loop's period."""
+    that occurred before; [] when no suffix of `shortest` tokens or more did. Where that continuation runs
+    into the end of the context (a loop: the occurrence overlaps the suffix), it goes on with the loop's
+    period."""
     t = len(context)
-    for n in range(min(longest, t - 1), 0, -1):
+    for n in range(min(longest, t - 1), shortest - 1, -1):
         found = context[: t - n] == context[t - n]           # starts s < t - n of an earlier occurrence
         for i in range(1, n):
             found &= context[i: t - n + i] == context[t - n + i]
