@@ -537,16 +537,17 @@ class VerifyPolicy(_Blocks):
     def preview_worth(self, s: SequenceState, n: int, k: int, compiled: bool = False, prefill: bool = False) -> bool:
         """Whether to preview this sequence's next block (`n` sequences step together, `k` finish a block
         now; `prefill`: its first block, whose preview the prompt's forward would carry). A preview costs
-        a forward over the block's positions (`k` rows), fused with the commit of the block's last token where that one waits for the cache (less the `ar` step the fused logits
-        save when the whole batch previews), else a forward of its own (timed apart); its drafts pay
+        a forward over the block's positions (`k` rows), fused with the commit of the block's last token
+        where that one waits for the cache (less the `ar` step the fused logits save when the whole batch
+        previews), else a forward of its own (timed apart); its drafts pay
         when the checks they make worthwhile save more: B * (t0 - t/E) over the block's B slots, t0 the
         time per token without a preview (a step, or a check of drafts from the context where those pay:
         `_plain_time`), t that of the best check and E = 1 + p + .. + p^m the tokens it yields. Blocks whose
         preview does not pay are decoded by checks of drafts from the context, or `ar` steps; after 1, 2, 4,
         then 8 such blocks in a row one is previewed again (a probe), so that the estimate p follows the text
         (after n times as many where the probe is a forward apart from the rest of the batch's n sequences,
-        all of which it delays). Sampled requests and `cost_ratio` 0 preview every block; a fixed `cost_ratio` previews iff
-        a full check would pay."""
+        all of which it delays). Sampled requests and `cost_ratio` 0 preview every block; a fixed
+        `cost_ratio` previews iff a full check would pay."""
         if not s.params.greedy or self.cost_ratio == 0:
             return True
         if self.cost_ratio is not None:
