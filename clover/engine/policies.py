@@ -382,7 +382,8 @@ class VerifyPolicy(_Blocks):
         from spec section 5b, "same prefill as `low_confidence`", for blocks with nothing to preview: the
         output is `ar`'s either way, and this saves the prompt tail a forward of its own.)"""
         for s in seqs:
-            s.draft_hit, s.lookup_hit, s.lookup_found = (self.prior[k] for k in ("draft_hit", "lookup_hit", "lookup_found"))
+            s.draft_hit, s.lookup_hit, s.lookup_found = (self.prior[k]
+                                                         for k in ("draft_hit", "lookup_hit", "lookup_found"))
         compiled = engine.model.decode_compiled
         n = sum(engine.policies.get(r.params.algorithm) is self and r not in engine.prefilling
                 for r in engine.running)                      # the sequences that will step together
