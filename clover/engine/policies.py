@@ -49,6 +49,13 @@ class Policy(Protocol):
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None: ...
 
 
+def prefill_prompts(engine: Engine, seqs: list[SequenceState]) -> torch.Tensor:
+    """Prefill each prompt causally from where its restored prefix ends (s.pos, 0 without one): the
+    causal logits [N,V] of each prompt's last token."""
+    return engine.forward(seqs, "causal", engine.pad([s.prompt[s.pos:] for s in seqs], 0),
+                          [len(s.prompt) - s.pos for s in seqs], logits="last")
+
+
 class AutoRegressive:
     """`ar`: the causal head picks each next token; the forward that reads a token also commits it."""
 
@@ -57,9 +64,8 @@ class AutoRegressive:
         return len(s.prompt) - 1
 
     def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
-        """Prefill each prompt from where its restored prefix ends (s.pos, 0 without one)."""
-        logits = engine.forward(seqs, "causal", engine.pad([s.prompt[s.pos:] for s in seqs], 0),
-                                [len(s.prompt) - s.pos for s in seqs], logits="last")
+        """Prefill each prompt (`prefill_prompts`); its last logits give the first token."""
+        logits = prefill_prompts(engine, seqs)
         for s, lg, pick in zip(seqs, logits, engine.greedy_picks(seqs, logits), strict=True):
             s.pos = len(s.prompt)
             with engine.isolated(s, events):
@@ -397,9 +403,7 @@ class VerifyPolicy(_Blocks):
             if like_commit:
                 self._record(("preview", len(previewed)), t0, engine.model.device)
         if plain:   # as `ar` prefills: the whole rest of the prompt, whose last logits give the first free slot
-            logits = engine.forward(plain, "causal", engine.pad([s.prompt[s.pos:] for s in plain], 0),
-                                    [len(s.prompt) - s.pos for s in plain], logits="last")
-            for s, carry in zip(plain, logits, strict=True):
+            for s, carry in zip(plain, prefill_prompts(engine, plain), strict=True):
                 s.pos = len(s.prompt) // s.block_size * s.block_size
                 self.start_block(engine, s)
                 s.cached, s.drafts, s.draft_probs = len(s.prompt), None, None
