@@ -23,7 +23,7 @@ import torch
 from decode import CODE  # benchmarks/ is on the path when run as a script
 
 from clover.engine.engine import Engine
-from clover.engine.policies import lookup_drafts
+from clover.engine.policies import lookup_match
 from clover.engine.sampling import SamplingParams
 from clover.model.checkpoint import load_for_generation
 from clover.training import synthetic
@@ -38,13 +38,11 @@ def tokens_per_check(prompt: list[int], out: list[int], window: int, shortest: i
     suffix [checks with drafts, drafts kept]."""
     tokens = checks = i = 0
     while i < len(out):
-        context = np.asarray(prompt + out[:i], dtype=np.int64)
-        drafts = lookup_drafts(context, window, shortest=shortest)
+        drafts, n = lookup_match(np.asarray(prompt + out[:i], dtype=np.int64), window, shortest=shortest)
         kept = 0
         while kept < len(drafts) and i + kept < len(out) and drafts[kept] == out[i + kept]:
             kept += 1
-        if drafts and by_match is not None:   # the longest suffix that matched: the first n that finds these
-            n = next(n for n in range(4, 0, -1) if lookup_drafts(context, window, longest=n, shortest=n) == drafts)
+        if drafts and by_match is not None:
             row = by_match.setdefault(n, [0, 0])
             row[0], row[1] = row[0] + 1, row[1] + kept
         step = min(kept + 1, len(out) - i)

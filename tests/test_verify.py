@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from clover.engine.engine import Engine
-from clover.engine.policies import VerifyPolicy, lookup_drafts
+from clover.engine.policies import VerifyPolicy, lookup_drafts, lookup_match
 from clover.engine.sampling import SamplingParams
 from clover.engine.sequence import NO_DRAFT, SequenceState
 from clover.engine.trace import trace_data
@@ -631,6 +631,7 @@ def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffi
     assert lookup_drafts(ctx, 3) == [4, 7, 8]            # "1 2" last seen before "4 7 8" (not "3 9")
     assert lookup_drafts(ctx, 3, longest=1) == [4, 7, 8]  # "2" alone: the same occurrence
     assert lookup_drafts(ctx, 3, shortest=2) == [4, 7, 8] and lookup_drafts(ctx, 3, shortest=3) == []  # "8 1 2" is new
+    assert lookup_match(ctx, 3) == ([4, 7, 8], 2) and lookup_match(np.array([1, 2, 3]), 2) == ([], 0)
     assert lookup_drafts(np.array([3, 1, 2, 0, 1, 2, 3, 1, 2]), 2) == [0, 1]   # "3 1 2" beats "1 2"
     assert lookup_drafts(np.array([1, 2, 3]), 4) == []    # the last token is new
     assert lookup_drafts(np.array([4, 6, 4]), 5) == [6, 4, 6, 4, 6]   # up to the end, then the loop again

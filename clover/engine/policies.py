@@ -273,11 +273,16 @@ class LowConfidence(_Blocks):
 
 
 def lookup_drafts(context: np.ndarray, k: int, longest: int = 4, shortest: int = 1) -> list[int]:
-    """Drafts from the context itself (prompt lookup, as n-gram speculation in vLLM): the k tokens that
+    """`lookup_match`'s drafts."""
+    return lookup_match(context, k, longest, shortest)[0]
+
+
+def lookup_match(context: np.ndarray, k: int, longest: int = 4, shortest: int = 1) -> tuple[list[int], int]:
+    """(drafts, n): drafts from the context itself (prompt lookup, as n-gram speculation in vLLM): the k tokens that
     followed the last earlier occurrence of the context's final n tokens, for the largest n <= `longest`
     that occurred before; [] when no suffix of `shortest` tokens or more did. Where that continuation runs
     into the end of the context (a loop: the occurrence overlaps the suffix), it goes on with the loop's
-    period."""
+    period. n: the length of the suffix matched (0: none)."""
     t = len(context)
     for n in range(min(longest, t - 1), shortest - 1, -1):
         found = context[: t - n] == context[t - n]           # starts s < t - n of an earlier occurrence
@@ -288,8 +293,8 @@ def lookup_drafts(context: np.ndarray, k: int, longest: int = 4, shortest: int =
             start = int(hits[-1]) + n
             drafts = context[start: start + k].tolist()
             period = t - start                     # shorter than k: the drafts reached the context's end
-            return [drafts[i % period] for i in range(k)] if len(drafts) < k else drafts
-    return []
+            return ([drafts[i % period] for i in range(k)] if len(drafts) < k else drafts), n
+    return [], 0
 
 
 class VerifyPolicy(_Blocks):
