@@ -9,6 +9,8 @@ FLOPs are counted as 6 x active parameters x tokens per stream (the noisy stream
 objective doubles the tokens), plus attention scores; the figure says how close a step comes to the
 arithmetic the machine can do, not an exact operation count.
 
+A shape is a preset of clover/model/config.py (tiny, tiny-wide, ...) or one of SHAPES below.
+
     python benchmarks/train.py [--shapes tiny,tiny-wide] [--batch 8] [--seq 256] [--steps 4] [--compile]
 """
 
@@ -24,15 +26,14 @@ from contextlib import nullcontext
 
 import torch
 
-from clover.model.config import CloverConfig
+from clover.model.config import PRESETS, CloverConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
 
-# Shapes of the sweep (issue 10): overrides of the `tiny` preset.
+# More shapes (issue 10's throughput table): overrides of the `tiny` preset.
 SHAPES: dict[str, dict] = {
-    "tiny": {},
     "tiny-narrow": dict(hidden_size=192, moe_intermediate_size=96, shared_expert_intermediate_size=96),
-    "tiny-wide": dict(hidden_size=384, num_attention_heads=6, moe_intermediate_size=192,
+    "tiny-384": dict(hidden_size=384, num_attention_heads=6, moe_intermediate_size=192,
                       shared_expert_intermediate_size=192),
     "tiny-deep": dict(num_hidden_layers=12),
     "tiny-dense-ish": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256),
@@ -41,8 +42,10 @@ SHAPES: dict[str, dict] = {
 
 
 def shape_config(name: str) -> CloverConfig:
+    if name in PRESETS:
+        return CloverConfig.preset(name)
     if name not in SHAPES:
-        raise SystemExit(f"unknown shape {name!r}; choose from {sorted(SHAPES)}")
+        raise SystemExit(f"unknown shape {name!r}; choose from {sorted(PRESETS) + sorted(SHAPES)}")
     return CloverConfig.preset("tiny", **SHAPES[name])
 
 

@@ -7,7 +7,7 @@
 #   eval_copy_final.json the same for MODEL
 #   eval_tasks.json      `clover eval tasks` (harness suite synthetic, in process), 20 tasks, thinking off, ar
 #   eval_turns_final.json `clover eval turns`: greedy ar turns on 60 agent conversations of validation seeds
-#   bench_train.json     benchmarks/train.py (training throughput of the tiny shape)
+#   bench_train.json     benchmarks/train.py (training throughput of the model's shape, PRESET)
 # The agent suites run through `clover serve`: scripts/agent_reports.sh agent.
 # usage: scripts/evaluate_model.sh [MODEL_DIR] [RUNS_DIR]     (about 15 minutes on 2 idle cores)
 set -euo pipefail
@@ -16,6 +16,7 @@ BIN=${BIN:-.venv/bin}
 MODEL=${1:-clover/weights/clover-tiny}
 RUNS=${2:-runs/recipe}
 DATA=${DATA:-data}
+PRESET=${PRESET:-tiny}   # the shape timed by benchmarks/train.py: the model's (scripts/make_model.sh PRESET)
 step() { echo "== $* ($(date +%H:%M:%S))" >&2; }
 
 step "bits per byte: AR parent and $MODEL"
@@ -31,5 +32,5 @@ step "synthetic agent tasks"
 step "validation turns"
 "$BIN/clover" eval turns --model "$MODEL" --out "$RUNS/eval_turns_final.json"
 step "training throughput"
-"$BIN/python" benchmarks/train.py --shapes tiny --steps 3 --compile | tail -1 > "$RUNS/bench_train.json"
+"$BIN/python" benchmarks/train.py --shapes "$PRESET" --steps 3 --compile | tail -1 > "$RUNS/bench_train.json"
 step "done"

@@ -140,7 +140,7 @@ def main() -> None:
                                                               for t in other) + "."]
     if bench:
         lines += ["", "## Training throughput", "",
-                  "`python benchmarks/train.py --shapes tiny --steps 3 --compile` (random tokens, batch "
+                  f"`python benchmarks/train.py --shapes {bench['rows'][0]['shape']} --steps 3 --compile` (random tokens, batch "
                   f"{bench['batch']} x {bench['seq']}, AdamW, median step after warm-up):", "",
                   "| objective | dtype | torch.compile | tokens/s | GFLOP/s |", "|---|---|---|---|---|"]
         for r in bench["rows"]:
