@@ -34,7 +34,7 @@ from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noi
 SHAPES: dict[str, dict] = {
     "tiny-narrow": dict(hidden_size=192, moe_intermediate_size=96, shared_expert_intermediate_size=96),
     "tiny-384": dict(hidden_size=384, num_attention_heads=6, moe_intermediate_size=192,
-                      shared_expert_intermediate_size=192),
+                     shared_expert_intermediate_size=192),
     "tiny-deep": dict(num_hidden_layers=12),
     "tiny-dense-ish": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256),
     "tiny-v4k": dict(vocab_size=4096, mask_token_id=4095, eos_token_id=4094),
