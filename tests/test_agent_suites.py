@@ -171,3 +171,22 @@ def test_default_suite_sizes_cover_every_family_equally():
     assert all(len({t.id for t in ts}) == len(ts) for ts in sizes.values())
     assert sorted(t.id.split("-")[1] for t in sizes["coding"]) == sorted(list(S.CODING_FAMILIES) * 2)
     assert sorted(t.id.split("-")[1] for t in sizes["memory"]) == ["2"] * 4 + ["32"] * 4 + ["8"] * 4
+
+
+def test_an_answer_must_state_the_expected_value_whole():
+    """A 2026-12-02 report counted "The result is 2031." as solving a task whose answer is 31: parts are
+    matched as whole items, not as substrings of a longer number or word."""
+    ht = next(t for t in S.suite_tasks("tools", 4) if "-calc-" in t.id)
+    env = ht.open()
+    final = ht.reference[-1]["content"]
+    value = final.removeprefix("The result is ").rstrip(".")
+    assert env.check(final) and env.check(f"({value})") and env.check(f"It is {value}, as computed.")
+    for wrong in (f"The result is 20{value}.", f"The result is {value}5.", f"It is {value}.5", f"x{value}"):
+        assert not env.check(wrong), wrong
+    if not value.startswith("-"):
+        assert not env.check(f"The result is -{value}.")
+    assert synthetic.holds("Saved: project = candle47.", ["candle47"])
+    assert not synthetic.holds("Saved: project = candle470.", ["candle47"])
+    assert synthetic.holds("Smallest first: 3, 5, 9.", ["3, 5, 9"])
+    assert not synthetic.holds("Smallest first: 3, 5, 9, 12.", ["3, 5, 9"])
+    assert not synthetic.holds("31,000", ["31"]) and synthetic.holds("The total is 98. DONE", ["98", "DONE"])

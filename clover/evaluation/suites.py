@@ -239,7 +239,7 @@ class SandboxRepo:
     def check(self, answer: str) -> bool:
         """The hidden tests, written only now and outside the repository, run in isolated mode with the
         repository appended after the standard library (a repository `unittest.py` cannot shadow it)."""
-        if not all(part in answer for part in self.repo.answer_parts):
+        if not synthetic.holds(answer, self.repo.answer_parts):
             return False
         runner = (f"import os, sys, unittest\nsys.path.append(os.getcwd())\n\n{self.repo.hidden_tests}\n\n"
                   "result = unittest.TextTestRunner(verbosity=0).run(unittest.defaultTestLoader."

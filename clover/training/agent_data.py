@@ -273,7 +273,7 @@ def make_training_task(family: str, seed: int, pool: str = "train") -> Task:
     messages = [{k: v for k, v in m.items() if k != "reasoning_content"} if i < last_user else m
                 for i, m in enumerate(messages)]
     parts = answer.split("|")
-    return Task(family, seed, tools, messages, answer, check=lambda text: all(p in text for p in parts), world=b.world,
+    return Task(family, seed, tools, messages, answer, check=lambda text: synthetic.holds(text, parts), world=b.world,
                 thinking=thinking, initial_files=b.initial_files if b.initial_files is not None else dict(b.world.files))
 
 

@@ -16,6 +16,7 @@ import ast
 import json
 import operator
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +120,12 @@ class World:
         except KeyError as exc:
             return f"error: missing argument {exc}"
         return f"error: unknown tool {name}"
+
+
+def holds(text: str, parts: list[str] | tuple[str, ...]) -> bool:
+    """Whether an answer states every expected part as a whole item: "31" is not in "2031", "-31",
+    "31.5", "31,000" or "310", nor "candle47" in "candle470"; "31." and "(31)" hold it."""
+    return all(re.search(rf"(?<![\w.-]){re.escape(p)}(?!\w|[.,]\d|, \d)", text) for p in parts)
 
 
 @dataclass
@@ -289,7 +296,7 @@ def make_task(family: str, seed: int, thinking: bool | None = None, **options: A
     answer, tools = _FAMILY[family](rng, builder, **options)
     parts = answer.split("|")
     return Task(family, seed, tools, builder.messages, answer,
-                check=lambda text: all(p in text for p in parts), world=world, thinking=thinking,
+                check=lambda text: holds(text, parts), world=world, thinking=thinking,
                 initial_files=builder.initial_files if builder.initial_files is not None else dict(world.files))
 
 
