@@ -5,7 +5,7 @@
 #   humaneval  clover eval agent: all 164 HumanEval problems; ar, verify, block 32; 1 run
 #   bench      clover bench serve at concurrency 1 and 8
 #   sft        two endpoints side by side: the shipped model and the recipe's checkpoint before SFT
-#              (runs/recipe/diff/model, from `make model`)
+#              ($RECIPE/diff/model, RECIPE default runs/recipe: from `make model`)
 # usage: scripts/agent_reports.sh [agent] [humaneval] [bench] [sft]   (no argument: all four)
 # Each part replaces its report. TASKS (default 8) sets the tasks per suite of the agent part, RUNS (default 3)
 # the runs of each task (at temperature 0 they repeat each other but for timing).
@@ -19,6 +19,7 @@ AR='{"algorithm": "ar"}'
 VERIFY='{"algorithm": "verify"}'
 TASKS=${TASKS:-8}
 RUNS=${RUNS:-3}
+RECIPE=${RECIPE:-runs/recipe}
 block() { echo "{\"algorithm\": \"low_confidence\", \"block_size\": $1, \"threshold\": 0.95}"; }
 
 # serve PORT ARGS...: start `clover serve` in the background and wait until it answers /health
@@ -67,7 +68,7 @@ if has sft; then
   kill ${SERVERS:-} 2> /dev/null || true
   SERVERS=
   serve $((PORT + 1)) --served-model-name clover-tiny
-  serve $((PORT + 2)) --model runs/recipe/diff/model --served-model-name before-sft
+  serve $((PORT + 2)) --model "$RECIPE/diff/model" --served-model-name before-sft
   fresh reports/agent-sft-vs-before-sft
   "$BIN/clover" eval agent --endpoint "shipped=http://127.0.0.1:$((PORT + 1))/v1" --model clover-tiny \
     --endpoint "before-sft=http://127.0.0.1:$((PORT + 2))/v1" --model before-sft --suite tools,memory,coding \

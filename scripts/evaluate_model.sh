@@ -16,7 +16,7 @@ BIN=${BIN:-.venv/bin}
 MODEL=${1:-clover/weights/clover-tiny}
 RUNS=${2:-runs/recipe}
 DATA=${DATA:-data}
-PRESET=${PRESET:-tiny}   # the shape timed by benchmarks/train.py: the model's (scripts/make_model.sh PRESET)
+PRESET=${PRESET:-tiny-wide}   # the shape timed by benchmarks/train.py: the model's (scripts/make_model.sh PRESET)
 step() { echo "== $* ($(date +%H:%M:%S))" >&2; }
 
 step "bits per byte: AR parent and $MODEL"

