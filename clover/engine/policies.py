@@ -309,7 +309,7 @@ class VerifyPolicy(_Blocks):
     output is `ar`'s. `model.keep` then commits the verified rows of the check to the cache (the
     K/V already written, the GDN state of the last kept row), never a rejected draft's. The block is
     not re-previewed between checks (on clover-tiny a preview before every check kept more drafts but
-    cost more than they saved: benchmarks/decode.py history in the README).
+    cost more than they saved: benchmarks/decode.py history in docs/measurements.md).
 
     Checking pays only when drafts are kept often enough, and the more drafts a check carries the
     more it costs (on 2 CPU cores a check of 1 + m tokens takes about 1.2x an `ar` step for m = 1 and 2x

@@ -73,7 +73,7 @@ def delta_rule_chunked(
 
     It runs in fp32 under autocast too (its products would otherwise be cast to bf16): compiled under
     bf16 autocast, its backward gave NaN gradients where the decays underflow (per-step log decays of
-    -3 to -28 at clover-tiny's init), which eager bf16 and compiled fp32 do not.
+    -3 to -28 at the tiny presets' init), which eager bf16 and compiled fp32 do not.
     """
     with torch.autocast(q.device.type, enabled=False):
         return _chunked(q, k, v, g, beta, state, chunk_size, return_chunk_states, return_written)

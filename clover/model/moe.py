@@ -59,7 +59,7 @@ def experts_dense(
 
 
 # The grouped dispatch reads its per-expert counts on the host: a compiled graph calls it as it is, which
-# breaks the graph there (another compiled region, its guards, the eager dispatch). On clover-tiny the
+# breaks the graph there (another compiled region, its guards, the eager dispatch). On the `tiny` shape the
 # dense mix costs less up to a preview fused with a block's check (65 tokens x 6 unused experts of
 # 256 x 128); the bound counts the multiply-adds it wastes, so a model with many or wide experts (the
 # 35B shape: 248 unused experts of 2048 x 512 for one token) keeps the grouped dispatch.
