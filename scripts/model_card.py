@@ -169,7 +169,7 @@ def main() -> None:
                       f"{sweep['summary']['best']}."]
     lines += ["", "## Measured", ""]
     if bpb_ar:
-        lines += ["Held-out bits per byte (`clover eval bpb --model runs/recipe/ar/model --data data` for the AR "
+        lines += [f"Held-out bits per byte (`clover eval bpb --model {runs}/ar/model --data data` for the AR "
                   "parent, the same with `--model clover/weights/clover-tiny` for the release; test split, "
                   "windows of 512 tokens):", "",
                   "| text | bytes | AR parent | released model (AR head) | gzip -9 | xz -9 | released vs xz |",

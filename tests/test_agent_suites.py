@@ -190,3 +190,6 @@ def test_an_answer_must_state_the_expected_value_whole():
     assert synthetic.holds("Smallest first: 3, 5, 9.", ["3, 5, 9"])
     assert not synthetic.holds("Smallest first: 3, 5, 9, 12.", ["3, 5, 9"])
     assert not synthetic.holds("31,000", ["31"]) and synthetic.holds("The total is 98. DONE", ["98", "DONE"])
+    assert synthetic.holds("The result is 31.0.", ["31"]) and synthetic.holds("It costs 12.50.", ["12.5"])
+    assert synthetic.holds("The total is 98, 5 additions later.", ["98"]) and synthetic.holds("98.DONE", ["DONE"])
+    assert not synthetic.holds("The result is 31.01.", ["31"]) and not synthetic.holds("x-31", ["-31"])

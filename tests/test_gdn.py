@@ -51,7 +51,7 @@ def test_chunked_equals_recurrent_forward_and_backward(t):
 
 def test_chunked_runs_in_fp32_under_bf16_autocast():
     """Its products stay fp32 under autocast (outputs and gradients bit-equal to no autocast), with
-    decays as steep as clover-tiny's init (down to exp(-28) per step, underflowing within a chunk)."""
+    decays as steep as the tiny presets' init (down to exp(-28) per step, underflowing within a chunk)."""
     xs = _inputs(2, 3 * CHUNK + 1, 3, 8, 5, requires_grad=True)
     with torch.no_grad():
         xs[3].mul_(14.0)

@@ -1,4 +1,4 @@
-"""Slow checks at the shipped model's shape (run with `make test-slow`)."""
+"""Slow checks at the `tiny` preset's shape (run with `make test-slow`)."""
 
 import pytest
 import torch

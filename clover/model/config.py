@@ -282,7 +282,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         mask_token_id=511, eos_token_id=510, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                                              "partial_rotary_factor": 0.25},
     ),
-    # The shipped default model's shape: about 14M total / 9M active parameters.
+    # The releases of clover-tiny before 2026-12-02: 13.4M total / 8.7M active parameters.
     "tiny": dict(
         vocab_size=8192, hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
         head_dim=64, max_position_embeddings=4096, linear_key_head_dim=64, linear_value_head_dim=64,
@@ -312,7 +312,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # `tiny`'s parameter count spent wider and shallower (hidden 384, 4 layers = 3 GDN + 1 attention): the winner of
-# the shape sweep per CPU-minute (benchmarks/sweep.py "wide-shallow"; model card), ~13M total / 10M active.
+# the shape sweep per CPU-minute (benchmarks/sweep.py "wide-shallow"; model card), ~13M total / 10M active;
+# the shipped clover-tiny's shape since 2026-12-02.
 PRESETS["tiny-wide"] = {**PRESETS["tiny"], "hidden_size": 384, "num_hidden_layers": 4}
 
 

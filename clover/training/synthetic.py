@@ -122,10 +122,33 @@ class World:
         return f"error: unknown tool {name}"
 
 
+_NUMBER = re.compile(r"(?<![\w.-])-?\d+(?:\.\d+)?(?!\w|\.\d|,\d)")
+
+
+def _whole(part: str, text: str) -> bool:
+    """`part` in `text` not joined to a longer word or number; a list ("3, 5, 9") not continued."""
+    before = r"(?<![\w.-])" if part[:1].isdigit() or part[:1] == "-" else r"(?<!\w)"
+    after = r"(?!\w|[.,]\d)" + (r"(?!, ?\d)" if ", " in part else "")
+    return re.search(before + re.escape(part) + after, text) is not None
+
+
 def holds(text: str, parts: list[str] | tuple[str, ...]) -> bool:
     """Whether an answer states every expected part as a whole item: "31" is not in "2031", "-31",
-    "31.5", "31,000" or "310", nor "candle47" in "candle470"; "31." and "(31)" hold it."""
-    return all(re.search(rf"(?<![\w.-]){re.escape(p)}(?!\w|[.,]\d|, \d)", text) for p in parts)
+    "31.5", "31,000" or "310", nor "candle47" in "candle470"; "31.", "(31)" and "31.0" hold it (a
+    numeric part also matches a number of the text equal to it)."""
+    numbers: list[float] | None = None
+    for part in parts:
+        if _whole(part, text):
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            return False
+        if numbers is None:
+            numbers = [float(m) for m in _NUMBER.findall(text)]
+        if value not in numbers:
+            return False
+    return True
 
 
 @dataclass
