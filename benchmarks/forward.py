@@ -2,7 +2,8 @@
 
 For each preset: causal prefill (per token), preview of one block over the prefilled cache, commit
 of one block (causal, extends the cache), one autoregressive step (1 token, extends the cache), and
-`verify`'s check of 2, 5 and 9 tokens with the keep of half of them.
+`verify`'s check of 2, 5 and 9 tokens with the keep of half of them, and the preview's time over an AR
+step's in paired rounds (robust to this CPU's drift between phases).
 transformers' Qwen3_5MoeForCausalLM runs prefill, commit (a block with past_key_values) and the AR
 step on the same weights; it has no preview mode. Medians over repeats, same process and threads.
 Prints its conditions, a table, and one JSON line last.
@@ -86,11 +87,23 @@ def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compil
             keep_s.append(time.perf_counter() - t1)
         return {f"check_{width}_ms": 1e3 * statistics.median(check_s), f"keep_{width}_ms": 1e3 * statistics.median(keep_s)}
 
+    def preview_over_step() -> float:
+        """Issue 11's ratio, drift-proof: rounds of a preview next to a block of AR steps (their median);
+        the median of the per-round ratios. This CPU's speed moves by up to 2x between phases of a run, so
+        the ratio of the separate medians above can be far off."""
+        ratios = []
+        for _ in range(repeats * blocks):
+            t0 = time.perf_counter()
+            model.preview(mask_block, cache)
+            ratios.append((time.perf_counter() - t0) / statistics.median(ar_steps()))
+        return statistics.median(ratios)
+
     commit = statistics.median(t for _ in range(repeats) for t in commits())
     ar_step = statistics.median(t for _ in range(repeats) for t in ar_steps())
     result = {"preset": preset, "parameters_total": config.num_parameters()[0],
               "clover_prefill_ms_per_token": 1e3 * prefill / prompt_len, "clover_preview_ms": 1e3 * preview,
-              "clover_commit_ms": 1e3 * commit, "clover_ar_step_ms": 1e3 * ar_step}
+              "clover_commit_ms": 1e3 * commit, "clover_ar_step_ms": 1e3 * ar_step,
+              "preview_over_ar_step": preview_over_step()}
     for width in CHECK_WIDTHS:
         checks(width)   # warm-up
         result.update({f"clover_{k}": v for k, v in checks(width).items()})
@@ -167,6 +180,8 @@ def main() -> None:
             if theirs is not None:
                 line += f"   transformers {theirs:9.3f}   speedup {theirs / ours:5.2f}x"
             print(line)
+        print(f"  {'preview / AR step':22s} {r['preview_over_ar_step']:.2f}x (paired rounds)"
+              + (f", compiled {r['preview_over_ar_step_compiled']:.2f}x" if "preview_over_ar_step_compiled" in r else ""))
     print(json.dumps({"benchmark": "forward", "conditions": conditions, "results": results}))
 
 
