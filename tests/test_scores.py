@@ -105,9 +105,11 @@ def test_copy_accuracy_scores_each_assistant_token_against_the_prediction_before
     assert bad["number_copied"]["accuracy"] < 0.5 and bad["other_copied"]["accuracy"] < 0.5
 
 
-def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeypatch):
+@pytest.mark.parametrize("pool", ["train", "heldout"])
+def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeypatch, pool):
     """A decoder that writes the reference turn (and the end-of-turn token) for every other prompt scores
-    exactly half; each prompt is the conversation up to the turn, rendered as the template renders it."""
+    exactly half; each prompt is the conversation up to the turn, rendered as the template renders it
+    (from the tool vocabularies of `pool`)."""
     from clover.model.tokenizer import IM_END
     from clover.training.agent_data import training_tasks
 
@@ -129,12 +131,12 @@ def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeyp
                 out.append(type("R", (), {"text": full[len(text):] if k % 2 == 0 else "wrong" + IM_END})())
             return out
 
-    tasks = training_tasks("val", 6)
+    tasks = training_tasks("val", 6, pool)
     turns = [(t, i) for t in tasks for i, m in enumerate(t.messages)
              if m["role"] == "assistant" and i > max(j for j, x in enumerate(t.messages) if x["role"] == "user")]
     monkeypatch.setattr(scores, "Engine", Echo)
-    got = scores.turn_accuracy(None, tok, count=6, split="val")
-    assert got["turns"] == len(turns) == len(seen) > 6
+    got = scores.turn_accuracy(None, tok, count=6, split="val", pool=pool)
+    assert got["turns"] == len(turns) == len(seen) > 6 and got["pool"] == pool
     assert got["exact"] == (len(turns) + 1) // 2 / len(turns)
     assert sum(f["turns"] for f in got["by_family"].values()) == len(turns)
 

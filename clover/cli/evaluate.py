@@ -63,7 +63,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = {"evaluation": "copy_accuracy", **scores.copy_accuracy(model, tok, args.count, args.split),
                   "repeats": scores.repeat_accuracy(model, tok)}
     elif args.eval_command == "turns":
-        result = {"evaluation": "turn_accuracy", **scores.turn_accuracy(model, tok, args.count, args.split)}
+        result = {"evaluation": "turn_accuracy",
+                  **scores.turn_accuracy(model, tok, args.count, args.split, pool=args.pool)}
     elif args.eval_command == "match":
         result = {"evaluation": "continuation_match", **scores.continuation_match(
             model, tok, args.data, args.prompts, args.new_tokens, tuple(map(float, args.thresholds.split(","))),
@@ -214,6 +215,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         elif name == "turns":
             e.add_argument("--count", type=int, default=60, help="conversations")
             e.add_argument("--split", default="val", choices=["val", "test"])
+            e.add_argument("--pool", default="train", choices=["train", "heldout"],
+                           help="tool vocabularies: training's, or the held-out ones training never uses")
         else:
             e.add_argument("--count", type=int, default=100)
             e.add_argument("--step-limit", type=int, default=12)

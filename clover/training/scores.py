@@ -223,16 +223,18 @@ def repeat_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 40, s
 
 @torch.inference_mode()
 def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, split: str = "val",
-                  max_new_tokens: int = 160, batch: int = 16) -> dict:
+                  max_new_tokens: int = 160, batch: int = 16, pool: str = "train") -> dict:
     """Exact-match rate of greedy `ar` assistant turns on `count` agent conversations of `split`
     (`clover.training.agent_data`, as `clover data build` writes them): every assistant turn after the
     last user message, generated from the conversation before it (earlier turns are the reference's),
-    compared as text up to the end of the turn; overall and by task family."""
+    compared as text up to the end of the turn; overall and by task family. `pool` "heldout": the
+    everyday and lookup tools and the distractors come from the vocabularies training never uses (the
+    harness's `heldout` suite draws them on test seeds), so the score measures reading unseen schemas."""
     from clover.training.agent_data import training_tasks
     from clover.training.data import assistant_turns
 
     prompts, refs, families = [], [], []
-    for task in training_tasks(split, count):
+    for task in training_tasks(split, count, pool):
         thinking = any(m.get("reasoning_content") for m in task.messages)   # as the training data renders it
         for prompt, turn in assistant_turns(tok, task.messages, task.tools or None, thinking):
             prompts.append(tok.encode(prompt))
@@ -245,6 +247,6 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     for out, ref, family in zip(outs, refs, families, strict=True):
         by_family.setdefault(family, []).append(out.text.split(IM_END)[0].strip() == ref)
     right = [ok for oks in by_family.values() for ok in oks]
-    return {"conversations": count, "split": split, "turns": len(right), "exact": sum(right) / max(len(right), 1),
+    return {"conversations": count, "split": split, "pool": pool, "turns": len(right), "exact": sum(right) / max(len(right), 1),
             "by_family": {f: {"exact": sum(v) / len(v), "turns": len(v)} for f, v in sorted(by_family.items())},
             "wall_s": time.perf_counter() - t0}
