@@ -62,3 +62,19 @@ def test_load_balancing_loss_matches_transformers():
     # perfectly balanced routing gives the minimum, top_k
     uniform = [torch.zeros(8, 8) + torch.eye(8) * 5]
     assert_close(load_balancing_loss(uniform, 8, 1), torch.tensor(1.0), atol=1e-2, what="balanced")
+
+
+def test_compiled_passes_of_the_shipped_shape_keep_the_dense_mix_up_to_a_fused_commit_and_preview():
+    """Under compile the dense expert mix (no graph break) is kept while the multiply-adds it wastes stay
+    under a bound sized for the shipped model's largest decoding pass at batch 1: a block's commit fused
+    with the next block's preview (2 x block_size tokens). One token of the 35B shape stays grouped."""
+    from clover.model import moe
+    from clover.model.config import CloverConfig
+
+    def waste(config: CloverConfig, tokens: int) -> int:
+        unused = config.num_experts - config.num_experts_per_tok
+        return tokens * unused * config.hidden_size * config.moe_intermediate_size
+
+    shipped = CloverConfig.preset("tiny-wide")
+    assert waste(shipped, 2 * shipped.block_size) <= moe._COMPILED_DENSE_WASTE < waste(shipped, 72)
+    assert waste(CloverConfig.preset("clover-35b-a3b"), 1) > moe._COMPILED_DENSE_WASTE

@@ -29,7 +29,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding passes with torch.compile (model.compile_decode): on 2 CPU cores ar decodes "
-                        "about 1.9x faster, the block decoders 1.0-1.6x; the first use of each pass compiles it "
+                        "1.8-2.5x faster, the block decoders 1.0-1.6x; the first use of each pass compiles it "
                         "(up to minutes, cached on disk for later runs)")
 
 

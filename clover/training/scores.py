@@ -229,7 +229,8 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     last user message, generated from the conversation before it (earlier turns are the reference's),
     compared as text up to the end of the turn; overall and by task family. `pool` "heldout": the
     everyday and lookup tools and the distractors come from the vocabularies training never uses (the
-    harness's `heldout` suite draws them on test seeds), so the score measures reading unseen schemas."""
+    harness's `heldout` suite draws them on test seeds), so the score measures reading unseen schemas. The pool
+    seeds the conversations too (other tasks, not the same ones renamed): compare checkpoints within a pool."""
     from clover.training.agent_data import training_tasks
     from clover.training.data import assistant_turns
 
