@@ -122,13 +122,15 @@ class World:
         return f"error: unknown tool {name}"
 
 
-_NUMBER = re.compile(r"(?<![\w.-])-?\d+(?:\.\d+)?(?!\w|\.\d|,\d)")
+_NUMBER_START = r"(?<![\w.-])"    # not inside a word, a decimal or after a sign
+_ITEM_END = r"(?!\w|[.,]\d)"       # not continued by a word, decimals or thousands
+_NUMBER = re.compile(_NUMBER_START + r"-?\d+(?:\.\d+)?" + _ITEM_END)
 
 
 def _whole(part: str, text: str) -> bool:
     """`part` in `text` not joined to a longer word or number; a list ("3, 5, 9") not continued."""
-    before = r"(?<![\w.-])" if part[:1].isdigit() or part[:1] == "-" else r"(?<!\w)"
-    after = r"(?!\w|[.,]\d)" + (r"(?!, ?\d)" if ", " in part else "")
+    before = _NUMBER_START if part[:1].isdigit() or part[:1] == "-" else r"(?<!\w)"
+    after = _ITEM_END + (r"(?!, ?\d)" if ", " in part else "")
     return re.search(before + re.escape(part) + after, text) is not None
 
 
