@@ -2,8 +2,9 @@
 
 For each preset: causal prefill (per token), preview of one block over the prefilled cache, commit
 of one block (causal, extends the cache), one autoregressive step (1 token, extends the cache), and
-`verify`'s check of 2, 5 and 9 tokens with the keep of half of them, and the preview's time over an AR
-step's in paired rounds (robust to this CPU's drift between phases).
+`verify`'s check of 2, 5 and 9 tokens with the keep of half of them. The preview and the AR step are timed
+in alternating rounds, which also give the preview's time over an AR step's per round (robust to this CPU's
+drift between phases of a run).
 transformers' Qwen3_5MoeForCausalLM runs prefill, commit (a block with past_key_values) and the AR
 step on the same weights; it has no preview mode. Medians over repeats, same process and threads.
 Prints its conditions, a table, and one JSON line last.
@@ -54,7 +55,6 @@ def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compil
     prefill = _median_time(lambda: model.causal(prompt, model.new_cache(1), logits="last"), repeats)
     cache = model.new_cache(1)
     model.causal(prompt, cache, logits="none")
-    preview = _median_time(lambda: model.preview(mask_block, cache), repeats * blocks)
 
     def commits() -> list[float]:
         c = copy.deepcopy(cache)
@@ -87,23 +87,27 @@ def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compil
             keep_s.append(time.perf_counter() - t1)
         return {f"check_{width}_ms": 1e3 * statistics.median(check_s), f"keep_{width}_ms": 1e3 * statistics.median(keep_s)}
 
-    def preview_over_step() -> float:
-        """Issue 11's ratio, drift-proof: rounds of a preview next to a block of AR steps (their median);
-        the median of the per-round ratios. This CPU's speed moves by up to 2x between phases of a run, so
-        the ratio of the separate medians above can be far off."""
-        ratios = []
+    def preview_and_steps() -> list[tuple[float, list[float]]]:
+        """Rounds of one preview next to a block of AR steps. The preview and step times, and issue 11's
+        ratio (the median of the per-round ratios), come from the same rounds: this CPU's speed moves by up
+        to 2x between phases of a run, so medians taken in separate phases can be far apart."""
+        rounds = []
         for _ in range(repeats * blocks):
             t0 = time.perf_counter()
             model.preview(mask_block, cache)
-            ratios.append((time.perf_counter() - t0) / statistics.median(ar_steps()))
-        return statistics.median(ratios)
+            rounds.append((time.perf_counter() - t0, ar_steps()))
+        return rounds
 
+    model.preview(mask_block, cache)   # warm-up
+    ar_steps()
+    rounds = preview_and_steps()
+    preview = statistics.median(p for p, _ in rounds)
+    ar_step = statistics.median(t for _, steps in rounds for t in steps)
     commit = statistics.median(t for _ in range(repeats) for t in commits())
-    ar_step = statistics.median(t for _ in range(repeats) for t in ar_steps())
     result = {"preset": preset, "parameters_total": config.num_parameters()[0],
               "clover_prefill_ms_per_token": 1e3 * prefill / prompt_len, "clover_preview_ms": 1e3 * preview,
               "clover_commit_ms": 1e3 * commit, "clover_ar_step_ms": 1e3 * ar_step,
-              "preview_over_ar_step": preview_over_step()}
+              "preview_over_ar_step": statistics.median(p / statistics.median(steps) for p, steps in rounds)}
     for width in CHECK_WIDTHS:
         checks(width)   # warm-up
         result.update({f"clover_{k}": v for k, v in checks(width).items()})
