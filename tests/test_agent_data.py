@@ -1,6 +1,8 @@
 """Training conversations that vary what users vary, and a held-out tool vocabulary training never uses."""
 
 import json
+import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -43,7 +45,7 @@ def test_every_family_replays_on_its_fresh_world_and_checks_its_answer(pool):
 def test_tools_are_renamed_offered_with_distractors_and_errors_are_recovered():
     tasks = A.training_tasks("train", 400)
     names = {t["function"]["name"] for task in tasks for t in task.tools}
-    assert {"calculator", "calc", "evaluate", "save_note", "ls"} <= names   # harness names and renamed ones
+    assert {"calculator", "note_set", "list_dir"} <= names and len(names) > 300  # harness names and coined ones
     unused = [task for task in tasks if len(task.tools) > len({c["function"]["name"] for m in task.messages
                                                                for c in m.get("tool_calls") or []})]
     assert len(unused) > 100                                                # distractor tools offered
@@ -59,6 +61,35 @@ def test_tools_are_renamed_offered_with_distractors_and_errors_are_recovered():
     name, alias = next(iter(task.world.aliases.items()))
     world = task.fresh_world()
     assert world.call(name, {"nonsense": "1"}).startswith("error: unknown argument")
+
+
+def test_tool_names_are_coined_per_conversation_so_none_can_be_recalled():
+    tasks = A.training_tasks("train", 3000)
+    offered = Counter(t["function"]["name"] for task in tasks for t in task.tools)
+    harness = {"calculator", "note_set", "note_get", "list_dir", "read_file"}
+    natural = set(A.EVERYDAY_STEMS) & {s.name for s in A.EVERYDAY["train"]}
+    # the shared names (the harness's, kept for its suites; the everyday tools' natural ones) are each
+    # under 7% of what is offered; no other name reaches 1%; the rest spread over thousands of names
+    total = sum(offered.values())
+    assert all(n / total < 0.07 for n in offered.values())
+    assert all(n / total < 0.01 for name, n in offered.items() if name not in harness | natural)
+    assert len(offered) > 2000
+    assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name in offered)
+    for task in tasks:  # names and parameters distinct within a conversation; every call names an offered tool
+        names = [t["function"]["name"] for t in task.tools]
+        assert len(names) == len(set(names))
+        called = {c["function"]["name"] for m in task.messages for c in m.get("tool_calls") or []}
+        assert called <= set(names), (task.family, task.seed)
+        for t in task.tools:
+            props = t["function"]["parameters"]["properties"]
+            assert len(props) == len(set(props))
+    # the heldout pool is never coined: its suite offers its fixed vocabulary only
+    p = A.LOOKUP_POOLS["heldout"]
+    fixed = {s.name for s in A.EVERYDAY["heldout"]} | {f"{v}_{e}_{a}" for v in p["verbs"] for e in p["entities"]
+                                                       for a in p["attributes"]}
+    for family in ("everyday", "lookup"):
+        for seed in range(50):
+            assert {t["function"]["name"] for t in A.make_training_task(family, seed, "heldout").tools} <= fixed
 
 
 def test_heldout_vocabulary_never_occurs_in_training_conversations():

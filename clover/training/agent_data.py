@@ -1,7 +1,6 @@
 """Agent conversations for training that teach reading the tools offered, not memorising them.
 
-Everything a user varies is drawn from the seed: tool names, parameter names and descriptions (the
-harness's own names are kept for a third of the tasks, so its suites stay in distribution), how many
+Everything a user varies is drawn from the seed: tool names, parameter names and descriptions, how many
 tools are offered (unused distractors), system prompts, phrasings, earlier turns of the conversation,
 tool errors that must be read and recovered from, follow-up questions, thinking on or off. Families:
 
@@ -16,13 +15,18 @@ tool errors that must be read and recovered from, follow-up questions, thinking 
 Tool vocabularies come in two disjoint pools: `train` (training and validation data) and `heldout`
 (names, parameters and descriptions never used in training; the harness's `heldout` suite), so that
 success on held-out schemas measures reading, not recall. Seeds decide everything.
+
+Names on the `train` pool are coined per conversation (`coin_names`: a natural stem or an invented word,
+with affixes and casings), so that no name is seen often enough to be recalled: a model that names a tool
+not offered has not read the list. The harness's own names are kept for a third of the tasks of its
+families, so its suites stay in distribution.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from clover.training import synthetic
 from clover.training.synthetic import Alias, Task, World, _Builder, _tool
@@ -37,32 +41,71 @@ SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are an assistant that can
                   "You are a careful agent: check tool results before you answer.", "Be brief.",
                   "You help users with everyday questions using the tools provided.")
 
-# Other names for the harness's tools: (names of the tool or pair, parameter names, descriptions).
-RENAMES: dict[str, list[tuple[tuple[str, ...], dict[str, str], tuple[str, ...]]]] = {
-    "calculator": [
-        (("calc",), {"expression": "expr"}, ("Compute an arithmetic expression.",)),
-        (("evaluate",), {"expression": "formula"}, ("Evaluate a formula with + - * / and parentheses.",)),
-        (("math",), {"expression": "input"}, ("Do arithmetic on the input and return the number.",)),
-        (("compute",), {"expression": "query"}, ("Return the value of an arithmetic query.",)),
-        (("arithmetic",), {"expression": "expression"}, ("Exact arithmetic: + - * / and brackets.",)),
-    ],
-    "notes": [
-        (("save_note", "get_note"), {"key": "key", "value": "text"},
-         ("Save a note under a key.", "Get the note saved under a key.")),
-        (("memory_write", "memory_read"), {"key": "slot", "value": "content"},
-         ("Write content into a memory slot.", "Read the content of a memory slot.")),
-        (("kv_put", "kv_get"), {"key": "name", "value": "data"},
-         ("Put data in the store under a name.", "Get the data stored under a name.")),
-        (("remember", "recall_note"), {"key": "label", "value": "value"},
-         ("Remember a value under a label.", "Recall the value remembered under a label.")),
-    ],
-    "files": [
-        (("ls", "cat"), {"path": "path"}, ("List a directory.", "Print a file.")),
-        (("list_files", "open_file"), {"path": "location"}, ("List the files in a folder.", "Open a text file.")),
-        (("browse", "view_file"), {"path": "dir"}, ("Show what a directory holds.", "Show the text of a file.")),
-    ],
+# Tool names on the `train` pool are coined per conversation from a large space: a stem (a natural
+# name), or an invented word, with affixes and casings users write (snake_case, camelCase, run-together).
+# No name recurs often enough to be recalled, so naming the right tool takes reading the offered list.
+# (The harness's own names are still kept for KEEP_HARNESS_NAMES of the tasks; `heldout` is never coined.)
+_AFFIXES = ("my", "do", "tool", "api", "fn", "util", "svc", "app", "sys", "x", "run", "v2", "new", "local")
+_NAMING = {  # group -> (name stems per tool of the group, parameter stems per own parameter, descriptions)
+    "calculator": ((("calc", "calculator", "evaluate", "math", "compute", "arithmetic", "calculate", "eval",
+                     "solve", "expr_eval", "compute_expression", "do_math"),),
+                   {"expression": ("expression", "expr", "formula", "input", "query", "math", "q", "text",
+                                   "sum", "calculation")},
+                   (("Compute an arithmetic expression.",), ("Evaluate a formula with + - * / and parentheses.",),
+                    ("Do arithmetic on the input and return the number.",),
+                    ("Return the value of an arithmetic query.",), ("Exact arithmetic: + - * / and brackets.",))),
+    "notes": ((("save_note", "memory_write", "kv_put", "remember", "set_memo", "store", "write_slot", "put",
+                "add_entry", "keep", "stash", "note_write"),
+               ("get_note", "memory_read", "kv_get", "recall_note", "get_memo", "load", "read_slot", "get",
+                "find_entry", "lookup_key", "unstash", "note_read")),
+              {"key": ("key", "slot", "name", "label", "id", "tag", "field"),
+               "value": ("value", "text", "content", "data", "body", "note", "payload")},
+              (("Save a note under a key.", "Get the note saved under a key."),
+               ("Write content into a memory slot.", "Read the content of a memory slot."),
+               ("Put data in the store under a name.", "Get the data stored under a name."),
+               ("Remember a value under a label.", "Recall the value remembered under a label."))),
+    "files": ((("ls", "list_files", "browse", "list_dir", "dir", "scan_folder", "show_dir", "list_folder",
+                "tree", "ls_path"),
+               ("cat", "open_file", "view_file", "read_text", "show_file", "load_file", "get_file", "print_file",
+                "read_doc", "file_contents")),
+              {"path": ("path", "location", "dir", "where", "target", "filepath", "p", "file_path")},
+              (("List a directory.", "Print a file."), ("List the files in a folder.", "Open a text file."),
+               ("Show what a directory holds.", "Show the text of a file."))),
 }
 _PAIRS = {"notes": ("note_set", "note_get"), "files": ("list_dir", "read_file")}
+_OWN_PARAMS = {"note_set": ("key", "value"), "note_get": ("key",), "list_dir": ("path",), "read_file": ("path",),
+               "calculator": ("expression",)}
+
+
+def _invented(r: random.Random) -> str:
+    return "".join(r.choice(_SYL) for _ in range(r.randint(2, 3)))
+
+
+def _styled(rng: random.Random, words: list[str], casing: int) -> str:
+    if casing == 1:
+        return words[0] + "".join(w.capitalize() for w in words[1:])
+    return ("" if casing == 2 else "_").join(words)
+
+
+def coin_names(rng: random.Random, *stems: tuple[str, ...]) -> list[str]:
+    """One distinct tool name per tuple of stems, all in one style (affix and casing shared, as one API names
+    its tools): the stems as they are, after or before an affix or an invented word, or invented words alone."""
+    style, affix, casing = rng.random(), rng.choice(_AFFIXES + (_invented(rng),)), rng.choice((0, 0, 0, 1, 2))
+    out = []
+    for options in stems:
+        words = rng.choice(options).split("_")
+        if style < 0.2:
+            words = [_invented(rng)]
+        elif style < 0.45:
+            words = [affix, *words]
+        elif style < 0.55:
+            words = [*words, affix]
+        out.append(_styled(rng, words, casing))
+    return out if len(set(out)) == len(out) else coin_names(rng, *stems)
+
+
+def coin_param(rng: random.Random, stems: tuple[str, ...]) -> str:
+    return _invented(rng) if rng.random() < 0.1 else rng.choice(stems)
 
 
 @dataclass(frozen=True)
@@ -116,6 +159,19 @@ EVERYDAY = {
     ],
 }
 
+# `train` pool: other stems for the everyday tools and their parameters (coined as above for half the tasks)
+EVERYDAY_STEMS = {
+    "get_weather": ("get_weather", "weather", "current_weather", "weather_now", "check_weather"),
+    "get_population": ("get_population", "population", "city_population", "count_people", "inhabitants"),
+    "capital_of": ("capital_of", "capital", "get_capital", "country_capital", "capital_city"),
+    "local_time": ("local_time", "time_in", "get_time", "clock", "current_time"),
+    "exchange_rate": ("exchange_rate", "fx_rate", "currency_value", "usd_rate", "get_rate"),
+    "define": ("define", "dictionary", "get_definition", "meaning", "lookup_word"),
+    "city": ("city", "town", "place", "location", "city_name"), "country": ("country", "nation", "country_name"),
+    "currency": ("currency", "code", "currency_code", "unit"), "word": ("word", "term", "query", "entry"),
+}
+COIN_SHARE = 0.5   # share of `train` everyday and lookup tools shown under coined names
+
 LOOKUP_POOLS = {
     "train": dict(verbs=("get", "find", "lookup", "query", "fetch", "read"),
                   entities=("item", "user", "order", "device", "product", "account", "ticket", "server", "team",
@@ -146,8 +202,17 @@ def _attribute_value(r: random.Random, attribute: str) -> str:
                      f"{r.randint(1, 9)}", _place(r)))
 
 
+def _coined_everyday(rng: random.Random, specs: list[Everyday], pool: str) -> list[Everyday]:
+    if pool != "train" or rng.random() >= COIN_SHARE:
+        return specs
+    names = coin_names(rng, *(EVERYDAY_STEMS[s.name] for s in specs))
+    return [replace(s, name=n, param=coin_param(rng, EVERYDAY_STEMS[s.param])) for s, n in zip(specs, names,
+                                                                                                 strict=True)]
+
+
 def _everyday(rng: random.Random, b: _Builder, pool: str) -> tuple[str, list[dict]]:
     specs = rng.sample(EVERYDAY[pool], rng.randint(1, min(4, len(EVERYDAY[pool]))))
+    specs = _coined_everyday(rng, specs, pool)
     asked = specs[0]
     tools = [_tool(s.name, s.description, {s.param: "string"}) for s in specs]
     answers = []
@@ -178,6 +243,8 @@ def _lookup(rng: random.Random, b: _Builder, pool: str) -> tuple[str, list[dict]
     attrs = rng.sample(p["attributes"], rng.randint(1, 4))
     param = rng.choice(p["params"] + (entity,))
     names = [f"{rng.choice(p['verbs'])}_{entity}_{a}" for a in attrs]
+    if pool == "train" and rng.random() < COIN_SHARE:
+        names = coin_names(rng, *((n,) for n in names))
     tools = [_tool(n, f"Return the {a} of a {entity}, given its {param}.", {param: "string"})
              for n, a in zip(names, attrs, strict=True)]
     k = rng.randrange(len(attrs))
@@ -195,18 +262,19 @@ def _lookup(rng: random.Random, b: _Builder, pool: str) -> tuple[str, list[dict]
 def _renamed(rng: random.Random, b: _Builder, family: str) -> dict[str, dict]:
     """Rename the tools a canonical family uses; returns canonical name -> shown tool definition."""
     group = "calculator" if family in ("calc", "calc_faulty", "recall") else family
-    if group not in RENAMES or rng.random() < KEEP_HARNESS_NAMES:
+    if group not in _NAMING or rng.random() < KEEP_HARNESS_NAMES:
         return {}
-    names, params, descriptions = rng.choice(RENAMES[group])
+    name_stems, param_stems, descriptions = _NAMING[group]
     own = _PAIRS.get(group, ("calculator",))
+    params = {q: coin_param(rng, options) for q, options in param_stems.items()}
+    if len(set(params.values())) < len(params):  # notes: key and value must differ
+        params = {q: f"{q}_{name}" if q == "value" else name for q, name in params.items()}
     shown = {}
-    for own_name, new_name, desc in zip(own, names, descriptions, strict=True):
-        own_params = {"note_set": ("key", "value"), "note_get": ("key",), "list_dir": ("path",),
-                      "read_file": ("path",), "calculator": ("expression",)}[own_name]
-        mapping = {q: params[q] for q in own_params}
+    for own_name, new_name, desc in zip(own, coin_names(rng, *name_stems), rng.choice(descriptions), strict=True):
+        mapping = {q: params[q] for q in _OWN_PARAMS[own_name]}
         b.renames[own_name] = (new_name, mapping)
         b.world.aliases[new_name] = Alias(own_name, {v: k for k, v in mapping.items()})
-        shown[own_name] = _tool(new_name, desc, {mapping[q]: "string" for q in own_params})
+        shown[own_name] = _tool(new_name, desc, {mapping[q]: "string" for q in _OWN_PARAMS[own_name]})
     return shown
 
 
@@ -215,13 +283,15 @@ def _distractors(rng: random.Random, pool: str, taken: set[str]) -> list[dict]:
     for _ in range(rng.choice((0, 0, 1, 2, 3))):
         kind = rng.random()
         if kind < 0.5:
-            spec = rng.choice(EVERYDAY[pool])
+            spec = _coined_everyday(rng, [rng.choice(EVERYDAY[pool])], pool)[0]
             tool = _tool(spec.name, spec.description, {spec.param: "string"})
         else:
             p = LOOKUP_POOLS[pool]
             e, a = rng.choice(p["entities"]), rng.choice(p["attributes"])
-            tool = _tool(f"{rng.choice(p['verbs'])}_{e}_{a}", f"Return the {a} of a {e}.",
-                         {rng.choice(p["params"]): "string"})
+            name = f"{rng.choice(p['verbs'])}_{e}_{a}"
+            if pool == "train" and rng.random() < COIN_SHARE:
+                name = coin_names(rng, (name,))[0]
+            tool = _tool(name, f"Return the {a} of a {e}.", {rng.choice(p["params"]): "string"})
         if tool["function"]["name"] not in taken:
             taken.add(tool["function"]["name"])
             out.append(tool)
