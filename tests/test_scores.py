@@ -109,11 +109,14 @@ def test_copy_accuracy_scores_each_assistant_token_against_the_prediction_before
 def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeypatch, pool):
     """A decoder that writes the reference turn (and the end-of-turn token) for every other prompt scores
     exactly half; each prompt is the conversation up to the turn, rendered as the template renders it
-    (from the tool vocabularies of `pool`)."""
+    (from the tool vocabularies of `pool`). Its other turns call a tool not offered where the reference
+    calls one: those calls, and only those, count as unknown."""
+    import re
+
     from clover.model.tokenizer import IM_END
     from clover.training.agent_data import training_tasks
 
-    seen = []
+    seen, calls, bad = [], [0], [0]
 
     class Echo:
         def __init__(self, model, tokenizer, max_batch_size):
@@ -128,7 +131,13 @@ def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeyp
                 full = tok.apply_chat_template(task.messages[: i + 1], tools=task.tools or None,
                                                add_generation_prompt=False)
                 assert full.startswith(text)
-                out.append(type("R", (), {"text": full[len(text):] if k % 2 == 0 else "wrong" + IM_END})())
+                reply = full[len(text):]
+                if k % 2:
+                    reply = re.sub(r"<function=[^>\n]+>", "<function=not_offered>", reply) \
+                        if "<function=" in reply else "wrong" + IM_END
+                    bad[0] += reply.count("<function=")
+                calls[0] += reply.count("<function=")
+                out.append(type("R", (), {"text": reply})())
             return out
 
     tasks = training_tasks("val", 6, pool)
@@ -138,6 +147,7 @@ def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeyp
     got = scores.turn_accuracy(None, tok, count=6, split="val", pool=pool)
     assert got["turns"] == len(turns) == len(seen) > 6 and got["pool"] == pool
     assert got["exact"] == (len(turns) + 1) // 2 / len(turns)
+    assert got["tool_calls"] == calls[0] and bad[0] > 0 and got["unknown_tool"] == bad[0] / calls[0]
     assert sum(f["turns"] for f in got["by_family"].values()) == len(turns)
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from clover.engine.engine import Engine
 from clover.engine.sampling import SamplingParams
+from clover.model.chat import parse_output
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import EOS_TOKEN, IM_END, Tokenizer
@@ -234,20 +235,28 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     from clover.training.agent_data import training_tasks
     from clover.training.data import assistant_turns
 
-    prompts, refs, families = [], [], []
+    prompts, refs, families, contexts = [], [], [], []
     for task in training_tasks(split, count, pool):
         thinking = any(m.get("reasoning_content") for m in task.messages)   # as the training data renders it
         for prompt, turn in assistant_turns(tok, task.messages, task.tools or None, thinking):
             prompts.append(tok.encode(prompt))
             refs.append(turn.split(IM_END)[0].strip())
             families.append(task.family)
+            contexts.append((thinking, task.tools))
     t0 = time.perf_counter()
     outs = Engine(model, tokenizer=tok, max_batch_size=batch).generate(
         prompts, SamplingParams(max_new_tokens=max_new_tokens, algorithm="ar"))
     by_family: dict[str, list[bool]] = {}
-    for out, ref, family in zip(outs, refs, families, strict=True):
-        by_family.setdefault(family, []).append(out.text.split(IM_END)[0].strip() == ref)
+    calls = unknown = 0
+    for out, ref, family, (thinking, tools) in zip(outs, refs, families, contexts, strict=True):
+        text = out.text.split(IM_END)[0]
+        by_family.setdefault(family, []).append(text.strip() == ref)
+        if tools:   # the calls written, and those naming a tool the conversation does not offer
+            parsed = parse_output(text, thinking, tools)
+            offered = {t["function"]["name"] for t in tools}
+            calls += len(parsed.tool_calls)
+            unknown += sum(c.name not in offered for c in parsed.tool_calls)
     right = [ok for oks in by_family.values() for ok in oks]
     return {"conversations": count, "split": split, "pool": pool, "turns": len(right), "exact": sum(right) / max(len(right), 1),
             "by_family": {f: {"exact": sum(v) / len(v), "turns": len(v)} for f, v in sorted(by_family.items())},
-            "wall_s": time.perf_counter() - t0}
+            "tool_calls": calls, "unknown_tool": unknown / max(calls, 1), "wall_s": time.perf_counter() - t0}
