@@ -19,7 +19,8 @@ success on held-out schemas measures reading, not recall. Seeds decide everythin
 Names on the `train` pool are coined per conversation (`coin_names`: a natural stem or an invented word,
 with affixes and casings), so that no name is seen often enough to be recalled: a model that names a tool
 not offered has not read the list. The harness's own names are kept for a third of the tasks of its
-families, so its suites stay in distribution.
+families (so its suites stay in distribution), the everyday tools' natural names for half of theirs.
+The `heldout` pool coins nothing: its calc, notes, files and recall tasks use the harness's names.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are an assistant that can
 
 # Tool names on the `train` pool are coined per conversation from a large space: a stem (a natural
 # name), or an invented word, with affixes and casings users write (snake_case, camelCase, run-together).
-# No name recurs often enough to be recalled, so naming the right tool takes reading the offered list.
-# (The harness's own names are still kept for KEEP_HARNESS_NAMES of the tasks; `heldout` is never coined.)
+# Apart from the harness's own names (kept for KEEP_HARNESS_NAMES of the tasks of its families) and the
+# everyday tools' natural ones (kept for 1 - COIN_SHARE of theirs), no name recurs often enough to be
+# recalled, so naming the right tool takes reading the offered list. `heldout` is never coined.
 _AFFIXES = ("my", "do", "tool", "api", "fn", "util", "svc", "app", "sys", "x", "run", "v2", "new", "local")
 _NAMING = {  # group -> (name stems per tool of the group, parameter stems per own parameter, descriptions)
     "calculator": ((("calc", "calculator", "evaluate", "math", "compute", "arithmetic", "calculate", "eval",
@@ -259,10 +261,11 @@ def _lookup(rng: random.Random, b: _Builder, pool: str) -> tuple[str, list[dict]
     return got, tools
 
 
-def _renamed(rng: random.Random, b: _Builder, family: str) -> dict[str, dict]:
-    """Rename the tools a canonical family uses; returns canonical name -> shown tool definition."""
-    group = "calculator" if family in ("calc", "calc_faulty", "recall") else family
-    if group not in _NAMING or rng.random() < KEEP_HARNESS_NAMES:
+def _renamed(rng: random.Random, b: _Builder, family: str, pool: str) -> dict[str, dict]:
+    """Rename the tools a canonical family uses (`train` pool; `heldout` keeps the harness's names, as its
+    suites do); returns canonical name -> shown tool definition."""
+    group = "calculator" if family in ("calc", "recall") else family
+    if pool != "train" or group not in _NAMING or rng.random() < KEEP_HARNESS_NAMES:
         return {}
     name_stems, param_stems, descriptions = _NAMING[group]
     own = _PAIRS.get(group, ("calculator",))
@@ -278,7 +281,11 @@ def _renamed(rng: random.Random, b: _Builder, family: str) -> dict[str, dict]:
     return shown
 
 
-def _distractors(rng: random.Random, pool: str, taken: set[str]) -> list[dict]:
+def _distractors(rng: random.Random, pool: str, offered: list[dict]) -> list[dict]:
+    """Unused tools to offer beside `offered`: none with a name already offered, nor doing what an offered
+    tool does under another name (then either would be right)."""
+    taken = {t["function"]["name"] for t in offered}
+    does = [t["function"]["description"] for t in offered]
     out = []
     for _ in range(rng.choice((0, 0, 1, 2, 3))):
         kind = rng.random()
@@ -292,8 +299,10 @@ def _distractors(rng: random.Random, pool: str, taken: set[str]) -> list[dict]:
             if pool == "train" and rng.random() < COIN_SHARE:
                 name = coin_names(rng, (name,))[0]
             tool = _tool(name, f"Return the {a} of a {e}.", {rng.choice(p["params"]): "string"})
-        if tool["function"]["name"] not in taken:
+        task = tool["function"]["description"].rstrip(".")   # a lookup's offered form adds ", given its ..."
+        if tool["function"]["name"] not in taken and not any(d.startswith(task) for d in does):
             taken.add(tool["function"]["name"])
+            does.append(tool["function"]["description"])
             out.append(tool)
     return out
 
@@ -312,7 +321,7 @@ def make_training_task(family: str, seed: int, pool: str = "train") -> Task:
         b.messages, answer, tools = base.messages, base.answer, base.tools
         shown = {}
     else:
-        shown = _renamed(rng, b, family)
+        shown = _renamed(rng, b, family, pool)
         if family == "everyday":
             answer, tools = _everyday(rng, b, pool)
         elif family == "lookup":
@@ -323,7 +332,7 @@ def make_training_task(family: str, seed: int, pool: str = "train") -> Task:
             answer, tools = synthetic._FAMILY[family](rng, b)
     tools = [shown.get(t["function"]["name"], t) for t in tools]
     if tools:
-        tools = tools + _distractors(rng, pool, {t["function"]["name"] for t in tools})
+        tools = tools + _distractors(rng, pool, tools)
         rng.shuffle(tools)
     messages = list(b.messages)
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")

@@ -12,8 +12,9 @@
   written twice, teacher-forced accuracy on the second copy after its first token (induction).
 - `turn_accuracy`: agent conversations of a split (validation seeds by default), each assistant turn
   after the last user message generated greedily by `ar` from the conversation before it: how often the
-  turn (thinking, call markup, answer) comes out exactly right. Validation seeds, so a recipe can choose
-  between checkpoints on it without looking at test seeds.
+  turn (thinking, call markup, answer) comes out exactly right, and how many of its calls name a tool
+  not offered. Validation seeds, so a recipe can choose between checkpoints on it without looking at
+  test seeds.
 
 The agent tasks of the card (`clover eval tasks`) run through the evaluation harness against the model
 served in process, the project's one agent loop (`clover.cli.evaluate`).
@@ -231,7 +232,9 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     compared as text up to the end of the turn; overall and by task family. `pool` "heldout": the
     everyday and lookup tools and the distractors come from the vocabularies training never uses (the
     harness's `heldout` suite draws them on test seeds), so the score measures reading unseen schemas. The pool
-    seeds the conversations too (other tasks, not the same ones renamed): compare checkpoints within a pool."""
+    seeds the conversations too (other tasks, not the same ones renamed): compare checkpoints within a pool.
+    Also `tool_calls` (calls written, complete ones) and `unknown_tool`: the share of them naming a tool the
+    conversation does not offer (0 when none is written)."""
     from clover.training.agent_data import training_tasks
     from clover.training.data import assistant_turns
 
@@ -251,11 +254,11 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     for out, ref, family, (thinking, tools) in zip(outs, refs, families, contexts, strict=True):
         text = out.text.split(IM_END)[0]
         by_family.setdefault(family, []).append(text.strip() == ref)
-        if tools:   # the calls written, and those naming a tool the conversation does not offer
-            parsed = parse_output(text, thinking, tools)
-            offered = {t["function"]["name"] for t in tools}
-            calls += len(parsed.tool_calls)
-            unknown += sum(c.name not in offered for c in parsed.tool_calls)
+        # the calls written, and those naming a tool the conversation does not offer (any, where it offers none)
+        parsed = parse_output(text, thinking, tools or None)
+        offered = {t["function"]["name"] for t in tools or []}
+        calls += len(parsed.tool_calls)
+        unknown += sum(c.name not in offered for c in parsed.tool_calls)
     right = [ok for oks in by_family.values() for ok in oks]
     return {"conversations": count, "split": split, "pool": pool, "turns": len(right), "exact": sum(right) / max(len(right), 1),
             "by_family": {f: {"exact": sum(v) / len(v), "turns": len(v)} for f, v in sorted(by_family.items())},
