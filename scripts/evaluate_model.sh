@@ -20,10 +20,12 @@ PRESET=${PRESET:-tiny-wide}   # the shape timed by benchmarks/train.py: the mode
 step() { echo "== $* ($(date +%H:%M:%S))" >&2; }
 
 step "bits per byte: AR parent and $MODEL"
-[ -f "$RUNS/eval_bpb_ar.json" ] || "$BIN/clover" eval bpb --model "$RUNS/ar/model" --data "$DATA" --out "$RUNS/eval_bpb_ar.json"
+# (the AR parent's figures only where RUNS has it: a build continued from a release carries them in
+# RUNS/base_record.json, see scripts/model_card.py)
+[ -f "$RUNS/eval_bpb_ar.json" ] || [ ! -d "$RUNS/ar/model" ] || "$BIN/clover" eval bpb --model "$RUNS/ar/model" --data "$DATA" --out "$RUNS/eval_bpb_ar.json"
 "$BIN/clover" eval bpb --model "$MODEL" --data "$DATA" --out "$RUNS/eval_bpb_final.json"
 step "copying: AR parent and $MODEL"
-[ -f "$RUNS/eval_copy_ar.json" ] || "$BIN/clover" eval copy --model "$RUNS/ar/model" --out "$RUNS/eval_copy_ar.json"
+[ -f "$RUNS/eval_copy_ar.json" ] || [ ! -d "$RUNS/ar/model" ] || "$BIN/clover" eval copy --model "$RUNS/ar/model" --out "$RUNS/eval_copy_ar.json"
 "$BIN/clover" eval copy --model "$MODEL" --out "$RUNS/eval_copy_final.json"
 step "code continuations"
 "$BIN/clover" eval match --model "$MODEL" --data "$DATA" --out "$RUNS/eval_match.json"

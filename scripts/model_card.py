@@ -2,11 +2,17 @@
 
     python scripts/model_card.py RUNS_DIR MODEL_DIR [AGENT_REPORT_DIR] [SWEEP_JSON]
 
-RUNS_DIR holds the recipe's runs (ar/, diff/, sft/, distill/, sft2/, distill2/, times.jsonl) and the evaluation results
-of `scripts/evaluate_model.sh` (eval_*.json, bench_train.json); AGENT_REPORT_DIR (default
+RUNS_DIR holds the recipe's runs (ar/, diff/, sft/, distill/, sft2/, distill2/, times.jsonl) and the
+evaluation results of `scripts/evaluate_model.sh` (eval_*.json, bench_train.json); AGENT_REPORT_DIR (default
 reports/agent-clover-tiny) is `clover eval agent`'s output on the served model; SWEEP_JSON (default
 runs/sweep/sweep.json) is `benchmarks/sweep.py`'s. Every figure in the card is read from those files,
 and the card names the command that produced each; a missing file leaves its section out.
+
+The card also writes MODEL_DIR/training_record.json: every stage's summary, the AR parent's scores, the
+sweep and the throughput table, i.e. what the card says about how the weights were made rather than
+about the weights, so that the card of released weights can be written again once the runs are gone.
+What RUNS_DIR lacks is taken from RUNS_DIR/base_record.json (a build continued from a release: that
+release's record) or else from MODEL_DIR/training_record.json, and the card marks it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+STAGES = ("ar", "diff", "sft", "distill", "sft2", "distill2")
 
 
 def _log(run: Path) -> list[dict]:
@@ -72,15 +80,35 @@ def main() -> None:
     report = Path(sys.argv[3] if len(sys.argv) > 3 else "reports/agent-clover-tiny")
     sweep_path = Path(sys.argv[4] if len(sys.argv) > 4 else "runs/sweep/sweep.json")
     load = lambda name: json.loads((runs / name).read_text()) if (runs / name).is_file() else None  # noqa: E731
-    stages = {name: _stage(runs / name) for name in ("ar", "diff", "sft", "distill", "sft2", "distill2")
-              if (runs / name / "log.jsonl").is_file()}
+    own = model_dir / "training_record.json"   # a card rewritten for the same weights reads their own record
+    base = load("base_record.json") or (json.loads(own.read_text()) if own.is_file() else {})
+    stages = {name: _stage(runs / name) if (runs / name / "log.jsonl").is_file() else base["stages"][name]
+              for name in STAGES if (runs / name / "log.jsonl").is_file() or name in base.get("stages", {})}
+    carried = [name for name in stages if not (runs / name / "log.jsonl").is_file()]
     times = [json.loads(line) for line in (runs / "times.jsonl").read_text().splitlines()
              if line.strip()] if (runs / "times.jsonl").is_file() else []
-    bpb_ar, bpb_final = load("eval_bpb_ar.json"), load("eval_bpb_final.json")
-    match, tasks, bench = load("eval_match.json"), load("eval_tasks.json"), load("bench_train.json")
-    copy_ar, copy_final = load("eval_copy_ar.json"), load("eval_copy_final.json")
+    other = [t for t in times if not t["step"].startswith("train")]
+    other = [t for t in base.get("other_steps", []) if t["step"] not in {o["step"] for o in other}] + other
+    bpb_ar, bpb_final = load("eval_bpb_ar.json") or base.get("ar_parent_bpb"), load("eval_bpb_final.json")
+    match, tasks = load("eval_match.json"), load("eval_tasks.json")
+    bench = load("bench_train.json") or base.get("bench_train")
+    copy_ar, copy_final = load("eval_copy_ar.json") or base.get("ar_parent_copy"), load("eval_copy_final.json")
     turns = load("eval_turns_final.json")
-    sweep = json.loads(sweep_path.read_text()) if sweep_path.is_file() else None
+    sweep = json.loads(sweep_path.read_text()) if sweep_path.is_file() else base.get("sweep")
+    # what came from the base record rather than from this build's files
+    carried += [key for key, mine in (("ar_parent_bpb", "eval_bpb_ar.json"), ("ar_parent_copy", "eval_copy_ar.json"),
+                                      ("bench_train", "bench_train.json")) if base.get(key) and not load(mine)]
+    if base.get("sweep") and not sweep_path.is_file():
+        carried.append("sweep")
+    star = lambda key: " *" if key in carried else ""  # noqa: E731
+    record = {"source": f"scripts/model_card.py {runs} {model_dir}", "stages": stages, "other_steps": other,
+              "ar_parent_bpb": bpb_ar, "ar_parent_copy": copy_ar, "sweep": sweep, "bench_train": bench}
+    fresh = len(carried) < len(stages) + sum(1 for key in ("ar_parent_bpb", "ar_parent_copy", "bench_train", "sweep")
+                                             if record[key])
+    if base and not fresh:   # all of it from the record: the same record, not a copy of a copy
+        record |= {k: base[k] for k in ("source", "base") if k in base}
+    elif base:
+        record["base"] = {"source": base.get("source"), "carried": carried, "base": base.get("base")}
     agent = _agent_rows(report) if (report / "summary.json").is_file() else {}
     config = json.loads((model_dir / "config.json").read_text())
     from clover.model.config import CloverConfig
@@ -127,13 +155,15 @@ def main() -> None:
     ]
     for name, s in stages.items():
         c = s["cfg"]
-        lines.append(f"| {name} | {c['steps']} | {c['batch_size']} x {c['seq_len']} | {s['tokens'] / 1e6:.2f}M | "
+        lines.append(f"| {name}{star(name)} | {c['steps']} | {c['batch_size']} x {c['seq_len']} | {s['tokens'] / 1e6:.2f}M | "
                      f"{s['seconds'] / 60:.0f} min ({s['seconds_at_median_rate'] / 60:.0f} min) | {_fmt(s['last'].get('loss'))} | "
                      f"{_fmt(s['eval'].get('diffusion_loss', s['eval'].get('ar_loss')))} |")
     train_s = sum(s["seconds"] for s in stages.values())
     median_s = sum(s["seconds_at_median_rate"] for s in stages.values())
-    other = [t for t in times if not t["step"].startswith("train")]
-    lines += ["", f"Training time, summed from the trainer's logs: {train_s / 60:.0f} minutes ({platform.machine()}, "
+    if carried:
+        lines += ["", f"\\* Here and below: from the training record (`training_record.json`: "
+                      f"{base.get('source', 'no source given')})."]
+    lines += ["", f"Training time, summed over the stages (the trainer's logs): {train_s / 60:.0f} minutes ({platform.machine()}, "
                   f"2 cores, torch {torch.__version__}, fp32); {median_s / 60:.0f} minutes at each stage's median "
                   "logged rate. The machine was shared with other work (tests, benchmarks) during parts of the "
                   "build, which the first figure includes."]
@@ -141,7 +171,7 @@ def main() -> None:
         lines += ["Other steps (`RUNS/times.jsonl`): " + ", ".join(f"{t['step']} {t['seconds'] / 60:.1f} min"
                                                               for t in other) + "."]
     if bench:
-        lines += ["", "## Training throughput", "",
+        lines += ["", f"## Training throughput{star('bench_train')}", "",
                   f"`python benchmarks/train.py --shapes {bench['rows'][0]['shape']} --steps 3 --compile` (random tokens, batch "
                   f"{bench['batch']} x {bench['seq']}, AdamW, median step after warm-up):", "",
                   "| objective | dtype | torch.compile | tokens/s | GFLOP/s |", "|---|---|---|---|---|"]
@@ -152,7 +182,7 @@ def main() -> None:
         lines += ["", "The recipe trains in fp32 without compile (see the README for why)."]
     if sweep:
         c = sweep["conditions"]
-        lines += ["", "## Shape sweep", "",
+        lines += ["", f"## Shape sweep{star('sweep')}", "",
                   f"`python benchmarks/sweep.py --data data --minutes {c['minutes_per_shape']:g} --shapes "
                   f"{','.join(r['shape'] for r in sweep['results'])}`: AR pretraining from "
                   f"random weights, about {c['minutes_per_shape']:g} minutes of training per shape (steps sized from each "
@@ -169,10 +199,11 @@ def main() -> None:
                       f"{sweep['summary']['best']}."]
     lines += ["", "## Measured", ""]
     if bpb_ar:
-        lines += [f"Held-out bits per byte (`clover eval bpb --model {runs}/ar/model --data data` for the AR "
+        lines += ["Held-out bits per byte (`clover eval bpb --model RUNS/ar/model --data data` for the AR "
                   "parent, the same with `--model clover/weights/clover-tiny` for the release; test split, "
                   "windows of 512 tokens):", "",
-                  "| text | bytes | AR parent | released model (AR head) | gzip -9 | xz -9 | released vs xz |",
+                  f"| text | bytes | AR parent{star('ar_parent_bpb')} | released model (AR head) | gzip -9 | xz -9 | "
+                  "released vs xz |",
                   "|---|---|---|---|---|---|---|"]
         final = {r["kind"]: r for r in (bpb_final or {}).get("results", [])}
         for r in bpb_ar["results"]:
@@ -186,7 +217,7 @@ def main() -> None:
         lines += ["", f"Copying (`clover eval copy`): {copy_final['conversations']} agent conversations of test seeds, "
                       "teacher-forced; how often the causal head's next token is right on the assistant's tokens, "
                       "by kind:", "",
-                  "| tokens | count | AR parent | released model |", "|---|---|---|---|"]
+                  f"| tokens | count | AR parent{star('ar_parent_copy')} | released model |", "|---|---|---|---|"]
         for kind, r in copy_final["results"].items():
             parent = (copy_ar or {}).get("results", {}).get(kind, {})
             lines.append(f"| {kind.replace('_', ' ')} | {r['tokens']} | {_fmt(parent.get('accuracy'))} | "
@@ -237,6 +268,7 @@ def main() -> None:
     if notes.is_file():
         lines += ["", notes.read_text().strip(), ""]
     (model_dir / "README.md").write_text("\n".join(lines))
+    (model_dir / "training_record.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {model_dir / 'README.md'}")
 
 

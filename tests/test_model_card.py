@@ -1,0 +1,58 @@
+"""scripts/model_card.py: the card of released weights can be written again from their training record once
+the runs are gone, and what comes from a record rather than from this build's files is marked."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "clover" / "weights" / "clover-tiny"
+
+
+def _card(runs: Path, model: Path) -> str:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "model_card.py"), str(runs), str(model),
+                    str(runs / "no-report"), str(runs / "no-sweep.json")], check=True, capture_output=True)
+    return (model / "README.md").read_text()
+
+
+def _stage_rows(card: str) -> dict[str, str]:
+    lines = card.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| stage | steps")) + 2
+    table = lines[start: next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))]
+    return {line.split("|")[1].strip(): line for line in table}
+
+
+def test_a_card_from_the_record_alone_marks_every_carried_figure_and_keeps_the_record(tmp_path):
+    model, runs = tmp_path / "model", tmp_path / "runs"
+    runs.mkdir()
+    model.mkdir()
+    shutil.copy(SHIPPED / "config.json", model)
+    shutil.copy(SHIPPED / "training_record.json", model)
+    record = json.loads((model / "training_record.json").read_text())
+    card = _card(runs, model)
+    assert set(_stage_rows(card)) == {f"{name} *" for name in record["stages"]}
+    assert "## Training throughput *" in card and "## Shape sweep *" in card and "| AR parent * |" in card
+    assert record["source"] in card
+    assert json.loads((model / "training_record.json").read_text()) == record   # the same, not nested
+
+
+def test_a_stage_run_here_replaces_the_record_s_and_the_new_record_names_its_base(tmp_path):
+    model, runs = tmp_path / "model", tmp_path / "runs"
+    (runs / "sft2").mkdir(parents=True)
+    model.mkdir()
+    shutil.copy(SHIPPED / "config.json", model)
+    shutil.copy(SHIPPED / "training_record.json", runs / "base_record.json")
+    (runs / "sft2" / "train_config.json").write_text(json.dumps({"steps": 20, "batch_size": 2, "seq_len": 64}))
+    (runs / "sft2" / "log.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"kind": "train", "step": 10, "tokens_seen": 1280, "tokens_per_s": 64.0, "loss": 2.5},
+        {"kind": "train", "step": 20, "tokens_seen": 2560, "tokens_per_s": 64.0, "loss": 1.25},
+        {"kind": "eval", "step": 20, "diffusion_loss": 3.5}]) + "\n")
+    rows = _stage_rows(_card(runs, model))
+    assert "sft2" in rows and "sft2 *" not in rows and "ar *" in rows
+    assert "| 20 | 2 x 64 |" in rows["sft2"] and "| 1.250 | 3.500 |" in rows["sft2"]
+    new = json.loads((model / "training_record.json").read_text())
+    base = json.loads((runs / "base_record.json").read_text())
+    assert new["stages"]["sft2"]["seconds"] == 40 and new["stages"]["ar"] == base["stages"]["ar"]
+    assert new["base"]["source"] == base["source"] and "sft2" not in new["base"]["carried"]
