@@ -182,7 +182,7 @@ def _conversations():
 
     convs = [(t.messages, t.tools) for fam in synthetic.FAMILIES for t in
              [synthetic.make_task(fam, s) for s in range(6)]]
-    convs += [(t.messages, t.tools) for t in agent_data.training_tasks("train", 40)]
+    convs += [(t.messages, t.tools) for t in agent_data.training_tasks("train", 60)]
     convs += [(t.messages, t.tools) for t in agent_data.training_tasks("test", 10, pool="heldout")]
     convs.append(([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                    {"role": "assistant", "content": "yo", "reasoning_content": "r"},
