@@ -83,7 +83,7 @@ def _invented(r: random.Random) -> str:
     return "".join(r.choice(_SYL) for _ in range(r.randint(2, 3)))
 
 
-def _styled(rng: random.Random, words: list[str], casing: int) -> str:
+def _styled(words: list[str], casing: int) -> str:
     if casing == 1:
         return words[0] + "".join(w.capitalize() for w in words[1:])
     return ("" if casing == 2 else "_").join(words)
@@ -102,7 +102,7 @@ def coin_names(rng: random.Random, *stems: tuple[str, ...]) -> list[str]:
             words = [affix, *words]
         elif style < 0.55:
             words = [*words, affix]
-        out.append(_styled(rng, words, casing))
+        out.append(_styled(words, casing))
     return out if len(set(out)) == len(out) else coin_names(rng, *stems)
 
 
@@ -191,7 +191,7 @@ _SYL = ("ka", "lo", "ven", "tar", "mi", "dor", "sel", "ru", "bex", "qua", "nim",
 
 
 def _place(r: random.Random) -> str:
-    return "".join(r.choice(_SYL) for _ in range(r.randint(2, 3))).capitalize()
+    return _invented(r).capitalize()
 
 
 def _entity_value(r: random.Random, entity: str) -> str:
