@@ -108,7 +108,7 @@ def test_generate_offers_tools_in_the_chat_turn_and_lists_calls(text_model, tmp_
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert isinstance(data["tool_calls"], list) and isinstance(data["tool_call_errors"], list)
-    assert data["stats"]["check_forwards"] >= 1
+    assert data["stats"]["check_forwards"] >= 1 and data["tool_grammar"] is True
     (tmp_path / "bad.json").write_text('{"name": "x"}')
     for args, message in ((["--tools", str(tmp_path / "bad.json"), "--chat"], "must hold a JSON list"),
                           (["--tools", str(tmp_path / "none.json"), "--chat"], "cannot read --tools"),

@@ -4,6 +4,7 @@ parses and validates, for ar, verify and low_confidence; verify stays equal to a
 
 import json
 import random
+import re
 
 import httpx
 import jsonschema
@@ -249,3 +250,124 @@ def test_nullable_string_arguments_of_a_forced_call_parse_to_their_values():
         out = parse_output(f"<tool_call>\n<function=f>\n<parameter=city>\n{raw}\n</parameter>\n</function>\n"
                            "</tool_call>", thinking=False, tools=tools)
         assert out.tool_calls[0].arguments == {"city": want}, raw
+
+
+# -- lazy grammars: free text until a trigger token, then the grammar (tool calls under tool_choice "auto") --
+
+CODE = r"[A-Z][a-z]{2,5}-\d{3}"
+
+
+def _first_new(ids: list[int], start: int) -> int:
+    """The first index >= start whose token does not occur before it."""
+    return next(k for k in range(start, len(ids)) if ids[k] not in ids[:k])
+
+
+@pytest.mark.parametrize("algorithm,threshold", [("ar", 0.95), ("verify", 0.95), ("low_confidence", 0.95),
+                                                 ("low_confidence", 0.0)])
+def test_a_lazy_grammar_holds_only_what_follows_its_trigger(setup, algorithm, threshold):
+    """The trigger is a token the unconstrained reply emits: up to it the reply is the unconstrained
+    one, after it the grammar's. low_confidence at threshold 0 resolves a whole block in one step, the
+    trigger with slots after it that the grammar rejects: those are masked again and resolved in order."""
+    model, tok = setup
+    engine = Engine(model, tok, max_batch_size=4)
+    prompt = tok.encode("The answer is")
+    free = SamplingParams(max_new_tokens=48, algorithm=algorithm, threshold=threshold, ignore_eos=True)
+    [plain] = engine.generate([prompt], free)
+    k = _first_new(plain.token_ids, 3)
+    trigger = plain.token_ids[k]
+    [r] = engine.generate([prompt], free.with_(ignore_eos=False, constraint=Constraint("regex", CODE, trigger=trigger)))
+    assert r.token_ids[: k + 1] == plain.token_ids[: k + 1]
+    assert r.finish_reason == "stop" and re.fullmatch(CODE, tok.decode(r.token_ids[k + 1:])), tok.decode(r.token_ids)
+    assert plain.token_ids[k + 1: k + 4] != r.token_ids[k + 1: k + 4]   # the grammar changed what follows
+    if algorithm == "verify":
+        [a] = engine.generate([prompt], free.with_(algorithm="ar", ignore_eos=False,
+                                                   constraint=Constraint("regex", CODE, trigger=trigger)))
+        assert r.token_ids == a.token_ids   # lossless under a lazy grammar too
+
+
+def test_a_lazy_grammar_whose_trigger_never_comes_changes_nothing(setup):
+    model, tok = setup
+    engine = Engine(model, tok, max_batch_size=4)
+    prompt = tok.encode("The answer is")
+    for algorithm in ALGORITHMS:
+        free = SamplingParams(max_new_tokens=40, algorithm=algorithm)
+        [plain] = engine.generate([prompt], free)
+        unused = next(t for t in range(tok.vocab_size) if t not in plain.token_ids)
+        [r] = engine.generate([prompt], free.with_(constraint=Constraint("regex", CODE, trigger=unused)))
+        assert r.token_ids == plain.token_ids, algorithm
+
+
+def test_pending_grammar_starts_after_the_trigger_once_armed(setup):
+    """`not_before`: a trigger counts only after that token (a tool call after the reasoning); `find`
+    leaves the state as it is, `read` takes the tokens as emitted."""
+    from clover.engine.structured import GrammarCompiler
+
+    model, tok = setup
+    compiler = GrammarCompiler(tok, model.config.vocab_size, tok.eos_token_ids)
+    _, pending = compiler.start(Constraint("regex", "a+", trigger=7, not_before=9))
+    assert pending.find([7, 1, 9, 2, 7, 3]) == 4 and pending.find([7, 1]) is None
+    assert pending.read([1, 7, 2]) is None and not pending.armed
+    assert pending.read([9, 1]) is None and pending.armed
+    assert pending.find([7]) == 0 and pending.read([3, 7, 5]) == 1
+    a = tok.encode("a")[0]
+    masks = pending.masks_along([3, 7, a, a])
+    assert masks[:2] == [None, None] and all(bool(m[a]) for m in masks[2:4])   # the grammar after the trigger
+    assert not bool(masks[2][tok.encode("b")[0]])
+
+
+TOOLS_LONG = [{"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string", "maxLength": 40}},
+    "required": ["path", "content"]}}}]
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_tool_call_grammar_reads_calls_as_the_chat_format_writes_them(setup, opened):
+    """Multi-line string values (code in a file) pass and read back exactly; an unknown tool, a string
+    over maxLength or a missing required parameter does not pass."""
+    from clover.engine.structured import GrammarCompiler, tool_call_grammar
+    from clover.model.chat import parse_output
+
+    model, tok = setup
+    ids = tok.special_ids
+    compiler = GrammarCompiler(tok, model.config.vocab_size, tok.eos_token_ids)
+    grammar = Constraint("lark", tool_call_grammar(TOOLS_LONG, None, True, ids["<tool_call>"], ids["</tool_call>"],
+                                                   opened=opened))
+    head = "<tool_call>\n" if opened else "<tool_call>"
+
+    def passes(call: str) -> bool:
+        body = tok.encode_chat([{"role": "user", "content": "x"}], enable_thinking=False, suffix=head + call)
+        reply = body[len(tok.encode_chat([{"role": "user", "content": "x"}], enable_thinking=False, suffix=head)):]
+        return compiler.matcher(grammar).valid_prefix(reply + [tok.eos_token_ids[-1]]) == len(reply) + 1
+
+    content = "def f(x):\n    return x + 1\n"
+    call = (f"{'' if opened else chr(10)}<function=write_file>\n<parameter=path>\na.py\n</parameter>\n"
+            f"<parameter=content>\n{content}\n</parameter>\n</function>\n")
+    assert passes(call + "</tool_call>")
+    out = parse_output("<tool_call>\n" + call.lstrip("\n") + "</tool_call>", thinking=False, tools=TOOLS_LONG)
+    assert out.tool_calls[0].arguments == {"path": "a.py", "content": content}
+    assert not passes(call.replace("write_file", "write_files") + "</tool_call>")
+    assert not passes(call.replace(content, "x" * 41) + "</tool_call>")
+    assert passes(call.replace(content, "x" * 40) + "</tool_call>")
+    assert not passes(call.replace("<parameter=path>\na.py\n</parameter>\n", "") + "</tool_call>")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_auto_tool_calls_are_held_to_the_offered_tools(url, setup, algorithm):
+    """Under tool_choice "auto" a reply is free until it opens a call; the call it opens (here forced
+    open by a logit bias: a random model rarely opens one) names an offered tool with valid arguments."""
+    _, tok = setup
+    bias = {str(tok.special_ids["<tool_call>"]): 100}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for k in range(3):
+        status, body = _chat(url, messages=[{"role": "user", "content": f"Do something ({k})."}], tools=TOOLS,
+                             algorithm=algorithm, temperature=0.7, seed=k, logit_bias=bias, parallel_tool_calls=False,
+                             chat_template_kwargs={"enable_thinking": False})
+        assert status == 200, body
+        c = body["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and len(c["message"]["tool_calls"]) == 1, c
+        call = c["message"]["tool_calls"][0]["function"]
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+        status, free = _chat(url, messages=[{"role": "user", "content": f"Do something ({k})."}], tools=TOOLS,
+                             algorithm=algorithm, temperature=0.7, seed=k, logit_bias=bias, parallel_tool_calls=False,
+                             chat_template_kwargs={"enable_thinking": False}, constrain_tool_calls=False)
+        assert status == 200 and free["choices"][0]["finish_reason"] != "tool_calls", free   # unheld: no valid call

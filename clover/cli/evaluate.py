@@ -64,7 +64,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                   "repeats": scores.repeat_accuracy(model, tok)}
     elif args.eval_command == "turns":
         result = {"evaluation": "turn_accuracy",
-                  **scores.turn_accuracy(model, tok, args.count, args.split, pool=args.pool)}
+                  **scores.turn_accuracy(model, tok, args.count, args.split, pool=args.pool,
+                                         tool_grammar=args.tool_grammar)}
     elif args.eval_command == "match":
         result = {"evaluation": "continuation_match", **scores.continuation_match(
             model, tok, args.data, args.prompts, args.new_tokens, tuple(map(float, args.thresholds.split(","))),
@@ -217,6 +218,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
             e.add_argument("--split", default="val", choices=["val", "test"])
             e.add_argument("--pool", default="train", choices=["train", "heldout"],
                            help="tool vocabularies: training's, or the held-out ones training never uses")
+            e.add_argument("--tool-grammar", action="store_true",
+                           help="hold each call a turn opens to the offered tools and their schemas, as `clover serve` "
+                                "does by default (off: the model's own calls)")
         else:
             e.add_argument("--count", type=int, default=100)
             e.add_argument("--step-limit", type=int, default=12)

@@ -12,6 +12,7 @@ import torch
 
 from clover.engine.engine import Engine, GenerationResult
 from clover.engine.sampling import ALGORITHMS, SamplingParams
+from clover.engine.structured import auto_tool_calls
 from clover.engine.trace import render_steps_ansi, write_trace_html
 from clover.model.chat import StreamingParser, parse_output, validate_tools
 from clover.model.checkpoint import Loaded, load_for_generation
@@ -125,6 +126,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             {"role": "user", "content": text}]
         prompt = tok.apply_chat_template(messages, tools=tools, enable_thinking=not args.no_think)
         ids = tok.encode_chat(messages, tools=tools, enable_thinking=not args.no_think)
+        if tools and not args.free_tool_calls and params.constraint is None and not params.ignore_eos:
+            params = params.with_(constraint=auto_tool_calls(tools, tok, thinking=not args.no_think))
     engine = Engine(loaded.model, tok)
     streaming = not (args.json or args.show_steps)
     result = None
@@ -138,13 +141,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                "prompt_tokens": len(result.prompt_ids), "stats": result.stats.to_dict(),
-               "sampling": {k: v for k, v in params.__dict__.items() if k != "record_steps"}}
+               "sampling": {k: v for k, v in params.__dict__.items() if k not in ("record_steps", "constraint")}}
         if args.chat:
             parsed = parse_output(result.text, thinking=not args.no_think, tools=tools)
             out.update(reasoning=parsed.reasoning, content=parsed.content)
             if tools:
                 out["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
                 out["tool_call_errors"] = parsed.errors
+                out["tool_grammar"] = params.constraint is not None
         if params.record_steps:
             out["accept_steps"] = result.accept_steps
         print(json.dumps(out))
@@ -175,6 +179,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-think", action="store_true", help="thinking off (with --chat)")
     p.add_argument("--tools", metavar="FILE.json", help="OpenAI tool definitions offered in the chat turn (with --chat); "
                                                         "--json then lists the parsed tool calls")
+    p.add_argument("--free-tool-calls", action="store_true",
+                   help="do not hold the calls the reply opens to the offered tools and their schemas (with --tools)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     _add_model_options(p)
     _add_decoding_options(p)

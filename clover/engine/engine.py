@@ -89,19 +89,20 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if any(s.rid == rid for s in itertools.chain(self.waiting, self.running)):
             raise ValueError(f"request id {rid!r} is already in use")
-        matcher = None
+        matcher = pending = None
         if params.constraint is not None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs a tokenizer")
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
-            matcher = self._grammars.matcher(params.constraint)    # GrammarError (a ValueError) if it does not compile
+            matcher, pending = self._grammars.start(params.constraint)   # GrammarError (a ValueError) if it does not compile
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.waiting.append(SequenceState(
             rid=rid, prompt=prompt, params=params, block_size=GenerationConfig.resolve_block_size(params.block_size, self.config),
             generator=torch.Generator().manual_seed(seed), counts=torch.zeros(self.config.vocab_size,
                                                                               device=self.model.device),
             started=time.perf_counter(), stats=GenerationStats(prompt_tokens=len(prompt)), matcher=matcher,
+            pending=pending,
         ))
         return rid
 

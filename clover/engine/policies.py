@@ -56,6 +56,18 @@ def prefill_prompts(engine: Engine, seqs: list[SequenceState]) -> torch.Tensor:
                           [len(s.prompt) - s.pos for s in seqs], logits="last")
 
 
+def read_grammar(s: SequenceState, tokens: list[int]) -> None:
+    """Advance the sequence's grammar over the tokens it emits next; a lazy grammar starts after its trigger."""
+    if s.pending is not None:
+        i = s.pending.read(tokens)
+        if i is None:
+            return
+        s.matcher, s.pending = s.pending.fresh, None
+        tokens = tokens[i + 1:]
+    if s.matcher is not None:
+        s.matcher.consume(tokens)
+
+
 class AutoRegressive:
     """`ar`: the causal head picks each next token; the forward that reads a token also commits it."""
 
@@ -90,8 +102,7 @@ class AutoRegressive:
             scored = engine.mask_out(logits[None])
             allowed = engine.hold_stops(s, scored if s.matcher is None else s.matcher.mask(scored), len(s.generated))
             pick = int(pick_tokens(allowed, s.params, s.counts, s.generator, confidence=False)[0][0])
-        if s.matcher is not None:
-            s.matcher.consume([pick])
+        read_grammar(s, [pick])
         if not engine.is_stop_token(s, pick):
             s.counts[pick] += 1
         engine.emit_final(s, [pick], [s.step], events, scored)   # logprobs: the model's, before the grammar
@@ -158,7 +169,7 @@ class LowConfidence(_Blocks):
 
     def prefill(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         super().prefill(engine, seqs, events)
-        self._complete(engine, [s for s in seqs if s.finish_reason is None and bool(s.resolved.all())], events)
+        self._complete(engine, self._resolved(engine, seqs, events), events)
 
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         open_ = [s for s in seqs if not bool(s.resolved.all())]
@@ -169,11 +180,49 @@ class LowConfidence(_Blocks):
                 s.stats.preview_forwards += 1
                 with engine.isolated(s, events):
                     self._accept(engine, s, lg[: len(s.block)])
-        self._complete(engine, [s for s in seqs if s.finish_reason is None and bool(s.resolved.all())], events)
+        self._complete(engine, self._resolved(engine, seqs, events), events)
 
     def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
                       events: list[Event]) -> None:
         self._accept(engine, s, logits)
+
+    def _resolved(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> list[SequenceState]:
+        """The sequences whose block is resolved, once a lazy grammar started inside it has read it."""
+        done = []
+        for s in seqs:
+            if s.finish_reason is None and bool(s.resolved.all()):
+                with engine.isolated(s, events):
+                    if self._settle(engine, s):
+                        done.append(s)
+        return done
+
+    def _settle(self, engine: Engine, s: SequenceState) -> bool:
+        """A resolved block under a lazy grammar not yet started: if the block emits its trigger, start it
+        and let it read the slots after the trigger; the first it rejects and all after it are masked
+        again (to be resolved in order, `_accept_in_order`). Whether the block is still resolved."""
+        if s.pending is None:
+            return True
+        tokens = s.block[s.fixed:].tolist()
+        i = s.pending.read(tokens)
+        if i is None:
+            return True
+        s.matcher, s.pending = s.pending.fresh, None
+        rest = tokens[i + 1:]
+        n = s.matcher.valid_prefix(rest)
+        if n == len(rest):
+            s.matcher.consume(rest)
+            return True
+        s.matcher.consume(rest[:n])
+        cut = s.fixed + i + 1 + n
+        # forget the counts of the slots masked again (a slot filled by an earlier end of sequence was not counted)
+        eos = [k for k, t in enumerate(tokens) if t in engine.eos_ids]
+        last_counted = s.fixed + eos[0] if eos and not s.params.ignore_eos else len(s.block) - 1
+        dropped = s.block[cut: last_counted + 1]
+        s.counts.index_add_(0, dropped, -torch.ones_like(dropped, dtype=s.counts.dtype))
+        s.block[cut:] = engine.config.mask_token_id
+        s.resolved[cut:] = False
+        s.block_steps[cut:] = [0] * (len(s.block) - cut)
+        return False
 
     def _complete(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         """Emit resolved blocks; commit those whose sequence goes on (fused with their next preview)."""
@@ -693,10 +742,14 @@ class VerifyPolicy(_Blocks):
             s.counts[pick] += 1
         else:
             preds = raw = engine.mask_out(preds)
-            if s.matcher is not None:   # each row masked by the grammar state after the drafts before it
-                allowed = torch.stack(s.matcher.masks_along(drafts.tolist())[: len(preds)]).to(preds.device)
-                preds = preds.clone()
-                preds[: len(allowed)] = preds[: len(allowed)].masked_fill(~allowed, float("-inf"))
+            grammar = s.matcher if s.matcher is not None else s.pending
+            if grammar is not None:   # each row masked by the grammar state after the drafts before it
+                masks = grammar.masks_along(drafts.tolist())[: len(preds)]   # None: no grammar there yet
+                if any(a is not None for a in masks):
+                    preds = preds.clone()
+                    for r, allowed in enumerate(masks):
+                        if allowed is not None:
+                            preds[r] = preds[r].masked_fill(~allowed.to(preds.device), float("-inf"))
             preds = engine.hold_stops(s, preds, len(s.generated))   # row i: response position len + i
             tokens, kept = verify_drafts(preds[:m], drafts, probs, s.params, s.counts, s.generator)
             if kept == m and len(preds) > m:                       # every draft kept: the causal head goes on
@@ -713,8 +766,7 @@ class VerifyPolicy(_Blocks):
         if s.drafts is None:
             s.stats.lookup_drafts += m
             s.stats.lookup_accepted += kept
-        if s.matcher is not None:
-            s.matcher.consume(tokens)
+        read_grammar(s, tokens)
         s.step += 1
         stop = j + len(tokens)
         s.block[j:stop] = torch.tensor(tokens, device=s.block.device)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from clover.engine.sampling import SamplingParams, TokenLogprob
-from clover.engine.structured import Matcher
+from clover.engine.structured import Matcher, Pending
 
 
 @dataclass
@@ -108,6 +108,7 @@ class SequenceState:
     accept_steps: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # aligned with `generated` when requested
     matcher: Matcher | None = None             # the grammar state of a constrained sequence
+    pending: Pending | None = None             # a lazy grammar not yet started (its trigger not yet emitted)
     stop_logprob: tuple[int, TokenLogprob] | None = None   # the stop token that ended it (params.logprobs)
     trace: list[StepRecord] = field(default_factory=list)
     text: str = ""                             # text already emitted

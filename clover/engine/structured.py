@@ -19,11 +19,20 @@ How each decoder honours a grammar (the output always matches it; only speed and
   to right.
 
 When the grammar is complete, only end-of-sequence tokens are allowed, so the reply ends there.
+
+A lazy grammar (`Constraint.trigger`, as llama.cpp's lazy grammars for tool calls) leaves the reply
+free until it emits the trigger token, and holds what follows it: a chat reply with tools may write
+any text, but a `<tool_call>` it opens must name an offered tool and match its schema. Until the
+trigger each decoder runs as without a grammar; from the token after it, as above. `low_confidence`
+fills a block out of order, so the trigger may be accepted after slots behind it: when the block is
+resolved, the grammar reads the slots after the trigger and those it rejects are masked again and
+resolved in order (`Pending`, `Matcher.valid_prefix`).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -45,10 +54,14 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """What a reply must match: `kind` and its source text (a JSON schema, a regex, a JSON list of
-    choices, a Lark grammar; unused for json_object)."""
+    choices, a Lark grammar; unused for json_object). With `trigger` (a token id) the grammar is lazy:
+    it holds only what follows the first `trigger` the reply emits after `not_before` (a token id; None:
+    from the start), e.g. a tool call after the reasoning."""
 
     kind: Kind
     source: str = ""
+    trigger: int | None = None
+    not_before: int | None = None
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> Constraint:
@@ -105,6 +118,14 @@ class GrammarCompiler:
             raise GrammarError(f"{constraint.kind}: {m.get_error()}")
         return Matcher(m, self.vocab_size, self.eos_ids)
 
+    def start(self, constraint: Constraint) -> tuple[Matcher | None, Pending | None]:
+        """A sequence's grammar state: (a matcher, None), or for a lazy grammar (None, its `Pending`),
+        compiled now either way so that a bad grammar fails at admission."""
+        m = self.matcher(constraint)
+        if constraint.trigger is None:
+            return m, None
+        return None, Pending(m, constraint.trigger, constraint.not_before)
+
 
 class Matcher:
     """One sequence's position in its grammar."""
@@ -134,6 +155,17 @@ class Matcher:
             if not self._m.consume_token(t):
                 raise GrammarError(f"the grammar rejected token {t}, which it had allowed: {self._m.get_error()}")
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens the grammar accepts (end-of-sequence tokens once it is complete). The
+        state is unchanged."""
+        n = self._m.validate_tokens(tokens)
+        if n == len(tokens) or not n and not self._m.is_stopped():
+            return n
+        self._m.consume_tokens(tokens[:n])
+        done = self._m.is_stopped()
+        self._m.rollback(n)
+        return n + (len(list(itertools.takewhile(self.eos_ids.__contains__, tokens[n:]))) if done else 0)
+
     def masks_along(self, drafts: list[int]) -> list[torch.Tensor]:
         """The allowed sets at each draft position and after the last valid one: mask i is the set after
         drafts[:i], for i = 0 .. (number of leading drafts the grammar accepts). The state is unchanged."""
@@ -150,3 +182,106 @@ class Matcher:
     def finished(self) -> bool:
         """Only end-of-sequence may follow (the grammar is complete and cannot go on)."""
         return self._m.is_stopped()
+
+    def copy(self) -> Matcher:
+        return Matcher(self._m.deep_copy(), self.vocab_size, self.eos_ids)
+
+
+class Pending:
+    """A lazy grammar not yet started: it starts after the first `trigger` token once `not_before` has
+    been emitted (at once without it). `fresh` is the grammar's matcher at its start, copied for each use."""
+
+    def __init__(self, fresh: Matcher, trigger: int, not_before: int | None) -> None:
+        self.fresh = fresh
+        self.trigger = trigger
+        self.not_before = not_before
+        self.armed = not_before is None
+
+    def find(self, tokens: list[int]) -> int | None:
+        """The index of the token in `tokens` (emitted next) that starts the grammar, or None. The state
+        is unchanged."""
+        armed = self.armed
+        for i, t in enumerate(tokens):
+            if armed and t == self.trigger:
+                return i
+            armed = armed or t == self.not_before
+        return None
+
+    def read(self, tokens: list[int]) -> int | None:
+        """Take `tokens` as emitted: `find`'s index, after which the caller starts the grammar."""
+        i = self.find(tokens)
+        self.armed = self.armed or self.not_before in tokens[:i]
+        return i
+
+    def masks_along(self, drafts: list[int]) -> list[torch.Tensor | None]:
+        """`Matcher.masks_along` for a grammar that may start inside the drafts: None (anything goes) up to
+        and including the trigger, then the grammar's masks; [] when no draft starts it."""
+        i = self.find(drafts)
+        if i is None:
+            return []
+        return [None] * (i + 1) + self.fresh.copy().masks_along(drafts[i + 1:])
+
+
+# -- tool calls in the chat format (spec section 6) ----------------------------------------------------
+
+NL = "\n"
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text)   # a Lark string literal, written as a JSON string
+
+
+def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open_id: int, close_id: int,
+                      opened: bool = True) -> str:
+    """A Lark grammar (llguidance) for a tool call after its start: the parameters of `named` (whose
+    `<function=...>` line is pre-filled), or one of the tools (after `<tool_call>` and a new line when
+    `opened`, else after the `<tool_call>` token alone: a lazy grammar that starts where the reply opens a
+    call), then `</tool_call>`; with `parallel`, more calls may follow. Parameters: the required ones in
+    schema order, then each optional one or not; a string value is text without '<' (at most maxLength
+    characters and the new line before `</parameter>`, which the parser drops) or one of its enum,
+    written raw; other values are JSON matching their schema."""
+    rules, names = [], []
+    for k, tool in enumerate(tools):
+        fn = tool["function"]
+        schema = fn.get("parameters") or {}
+        props = schema.get("properties") or {}
+        required = [p for p in schema.get("required") or [] if p in props]
+        parts = []
+        for i, name in enumerate(required + [p for p in props if p not in required]):
+            value_schema = props[name] if isinstance(props[name], dict) else {}
+            enum = value_schema.get("enum")
+            tail = _lit(NL + "</parameter>" + NL)
+            if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+                value = "(" + " | ".join(_lit(e) for e in enum) + ")"      # written raw, as strings are
+            elif value_schema.get("type") == "string":
+                # the lexer is greedy: the value takes the new line before `</parameter>` (which cannot
+                # start with one), and cannot hold a '<' (nothing tells it from the end of the value)
+                value = f"STRING_{k}_{i}"
+                most = value_schema.get("maxLength")
+                bound = f"{{0,{int(most)}}}\\n?" if isinstance(most, int) and most >= 0 else "*"
+                rules.append(f"{value}: /[^<]{bound}/")
+                tail = _lit("</parameter>" + NL)
+            else:
+                value = f"value_{k}_{i}"
+                rules.append(f"{value}: %json {json.dumps({**value_schema, 'x-guidance': JSON_STYLE})}")
+            rules.append(f"param_{k}_{i}: {_lit(f'<parameter={name}>' + NL)} {value} {tail}")
+            parts.append(f"param_{k}_{i}" + ("" if name in required else "?"))
+        rules.append(f"params_{k}: {' '.join(parts) or _lit('')}")
+        rules.append(f"call_{k}: {_lit('<function=' + fn['name'] + '>' + NL)} params_{k}")
+        names.append(fn["name"])
+    close = f"{_lit('</function>' + NL)} <[{close_id}]>"
+    any_call = "(" + " | ".join(f"call_{k}" for k in range(len(tools))) + ")"
+    first = f"params_{names.index(named)}" if named is not None else any_call
+    if not opened:
+        first = f"{_lit(NL)} {first}"
+    more = f" ({_lit(NL)} <[{open_id}]> {_lit(NL)} {any_call} {close})*" if parallel else ""
+    return "\n".join([f"start: {first} {close}{more}", *rules])
+
+
+def auto_tool_calls(tools: list[dict], tokenizer: Tokenizer, thinking: bool, parallel: bool = True) -> Constraint:
+    """The lazy grammar of a reply that may call `tools` (tool_choice "auto"): free until it opens a call
+    (after its reasoning when `thinking`), then `tool_call_grammar` for that call and any after it."""
+    specials = tokenizer.special_ids
+    return Constraint("lark", tool_call_grammar(tools, None, parallel, specials["<tool_call>"],
+                                                specials["</tool_call>"], opened=False),
+                      trigger=specials["<tool_call>"], not_before=specials["</think>"] if thinking else None)

@@ -3,8 +3,10 @@ grammar a reply must match (structured output; a constrained reply starts withou
 
 `tool_choice` "required" or a named function pre-fills the start of a tool call after an empty think
 block, and a grammar (`tool_call_grammar`) holds the rest of the call to the tools' schemas, so the
-reply is always a valid call. "none" hides the tools from the prompt and keeps tool-call markup in the
-text.
+reply is always a valid call. "auto" leaves the reply free until it opens a call (the `<tool_call>`
+token, after the reasoning), and the same grammar, lazy, holds that call and any after it: a call names
+an offered tool and matches its schema (as llama.cpp's lazy tool-call grammars; `constrain_tool_calls`
+false turns it off). "none" hides the tools from the prompt and keeps tool-call markup in the text.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from clover.engine.structured import JSON_STYLE, Constraint
+from clover.engine.structured import Constraint, auto_tool_calls, tool_call_grammar
 from clover.model.chat import ChatFormatError, StreamingParser, validate_tools
 from clover.model.tokenizer import Tokenizer
 from clover.serving.protocol import APIError, ChatRequest, MessageIn, NamedToolChoice, SamplingRequest, ToolDef
@@ -62,53 +64,6 @@ def constraint_from(req: SamplingRequest) -> Constraint | None:
         raise APIError(400, f"give one structured-output constraint, not {', '.join(n for n, _ in found)}",
                        param=found[1][0])
     return found[0][1] if found else None
-
-
-NL = "\n"
-
-
-def _lit(text: str) -> str:
-    return json.dumps(text)   # a Lark string literal, written as a JSON string
-
-
-def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open_id: int, close_id: int) -> str:
-    """A Lark grammar (llguidance) for what follows the pre-filled start of a forced tool call: the
-    parameters of `named` (whose `<function=...>` line is pre-filled), or, for "required", one of the
-    tools (after the pre-filled `<tool_call>`), then `</tool_call>`; with `parallel`, more calls may
-    follow. Parameters: the required ones in schema order, then each optional one or not; a string value
-    is one line without '<' (the call format ends it at the next line; at most maxLength characters) or
-    one of its enum, written raw; other values are JSON matching their schema."""
-    rules, names = [], []
-    for k, tool in enumerate(tools):
-        fn = tool["function"]
-        schema = fn.get("parameters") or {}
-        props = schema.get("properties") or {}
-        required = [p for p in schema.get("required") or [] if p in props]
-        parts = []
-        for i, name in enumerate(required + [p for p in props if p not in required]):
-            value_schema = props[name] if isinstance(props[name], dict) else {}
-            enum = value_schema.get("enum")
-            if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
-                value = "(" + " | ".join(_lit(e) for e in enum) + ")"      # written raw, as strings are
-            elif value_schema.get("type") == "string":
-                value = f"STRING_{k}_{i}"
-                most = value_schema.get("maxLength")
-                bound = f"{{0,{int(most)}}}" if isinstance(most, int) and most >= 0 else "*"
-                rules.append(f"{value}: /[^<\\n]{bound}/")
-            else:
-                value = f"value_{k}_{i}"
-                rules.append(f"{value}: %json {json.dumps({**value_schema, 'x-guidance': JSON_STYLE})}")
-            head, tail = _lit(f"<parameter={name}>" + NL), _lit(NL + "</parameter>" + NL)
-            rules.append(f"param_{k}_{i}: {head} {value} {tail}")
-            parts.append(f"param_{k}_{i}" + ("" if name in required else "?"))
-        rules.append(f"params_{k}: {' '.join(parts) or _lit('')}")
-        rules.append(f"call_{k}: {_lit('<function=' + fn['name'] + '>' + NL)} params_{k}")
-        names.append(fn["name"])
-    close = f"{_lit('</function>' + NL)} <[{close_id}]>"
-    any_call = "(" + " | ".join(f"call_{k}" for k in range(len(tools))) + ")"
-    first = f"params_{names.index(named)}" if named is not None else any_call
-    more = f" ({_lit(NL)} <[{open_id}]> {_lit(NL)} {any_call} {close})*" if parallel else ""
-    return "\n".join([f"start: {first} {close}{more}", *rules])
 
 
 def thinking_from(kwargs: dict[str, Any] | None) -> bool:
@@ -187,6 +142,9 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
         specials = tokenizer.special_ids
         constraint = Constraint("lark", tool_call_grammar(tools, named, req.parallel_tool_calls is not False,
                                                           specials["<tool_call>"], specials["</tool_call>"]))
+    elif tools and choice == "auto" and constraint is None and req.constrain_tool_calls is not False \
+            and not req.ignore_eos:   # (a grammar ends the reply where it completes)
+        constraint = auto_tool_calls(tools, tokenizer, thinking, req.parallel_tool_calls is not False)
     offered = tools if choice != "none" else None
     try:
         ids = tokenizer.encode_chat(messages_from(req.messages), tools=offered, enable_thinking=thinking, suffix=prefix)

@@ -225,7 +225,7 @@ def repeat_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 40, s
 
 @torch.inference_mode()
 def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, split: str = "val",
-                  max_new_tokens: int = 160, batch: int = 16, pool: str = "train") -> dict:
+                  max_new_tokens: int = 160, batch: int = 16, pool: str = "train", tool_grammar: bool = False) -> dict:
     """Exact-match rate of greedy `ar` assistant turns on `count` agent conversations of `split`
     (`clover.training.agent_data`, as `clover data build` writes them): every assistant turn after the
     last user message, generated from the conversation before it (earlier turns are the reference's),
@@ -234,7 +234,9 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     harness's `heldout` suite draws them on test seeds), so the score measures reading unseen schemas. The pool
     seeds the conversations too (other tasks, not the same ones renamed): compare checkpoints within a pool.
     Also `tool_calls` (calls written, complete ones) and `unknown_tool`: the share of them naming a tool the
-    conversation does not offer (0 when none is written)."""
+    conversation does not offer (0 when none is written). `tool_grammar`: each reply with tools under the lazy
+    grammar `clover serve` applies by default (`auto_tool_calls`), so every call it opens names an offered tool."""
+    from clover.engine.structured import auto_tool_calls
     from clover.training.agent_data import training_tasks
     from clover.training.data import assistant_turns
 
@@ -247,8 +249,10 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
             families.append(task.family)
             contexts.append((thinking, task.tools))
     t0 = time.perf_counter()
-    outs = Engine(model, tokenizer=tok, max_batch_size=batch).generate(
-        prompts, SamplingParams(max_new_tokens=max_new_tokens, algorithm="ar"))
+    plain = SamplingParams(max_new_tokens=max_new_tokens, algorithm="ar")
+    params = [plain.with_(constraint=auto_tool_calls(tools, tok, thinking)) if tool_grammar and tools else plain
+              for thinking, tools in contexts]
+    outs = Engine(model, tokenizer=tok, max_batch_size=batch).generate(prompts, params)
     by_family: dict[str, list[bool]] = {}
     calls = unknown = 0
     for out, ref, family, (thinking, tools) in zip(outs, refs, families, contexts, strict=True):
@@ -260,6 +264,6 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
         calls += len(parsed.tool_calls)
         unknown += sum(c.name not in offered for c in parsed.tool_calls)
     right = [ok for oks in by_family.values() for ok in oks]
-    return {"conversations": count, "split": split, "pool": pool, "turns": len(right), "exact": sum(right) / max(len(right), 1),
+    return {"conversations": count, "split": split, "pool": pool, "tool_grammar": tool_grammar, "turns": len(right), "exact": sum(right) / max(len(right), 1),
             "by_family": {f: {"exact": sum(v) / len(v), "turns": len(v)} for f, v in sorted(by_family.items())},
             "tool_calls": calls, "unknown_tool": unknown / max(calls, 1), "wall_s": time.perf_counter() - t0}
