@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The committed reports under reports/, against a fresh `clover serve` with the shipped model:
 #   agent      clover eval agent: tools, memory, heldout (tool schemas never used in training), coding;
-#              ar, verify, block diffusion at blocks 16 and 32 (threshold 0.95); 3 runs (TASKS per suite)
+#              ar, verify, block diffusion at blocks 16 and 32 (threshold 0.95), every call held to the
+#              offered tools (the server's default), and ar without that; 3 runs (TASKS per suite)
 #   humaneval  clover eval agent: all 164 HumanEval problems; ar, verify, block 32; 1 run
 #   bench      clover bench serve at concurrency 1 and 8
 #   sft        two endpoints side by side: the shipped model and the recipe's checkpoint before SFT
@@ -16,6 +17,7 @@ PORT=${PORT:-8300}
 PARTS=${*:-agent humaneval bench sft}
 URL=http://127.0.0.1:$PORT/v1
 AR='{"algorithm": "ar"}'
+AR_FREE='{"algorithm": "ar", "constrain_tool_calls": false}'   # the calls as the model writes them, unheld
 VERIFY='{"algorithm": "verify"}'
 TASKS=${TASKS:-8}
 RUNS=${RUNS:-3}
@@ -48,7 +50,7 @@ fi
 if has agent; then
   fresh reports/agent-clover-tiny
   "$BIN/clover" eval agent --endpoint "clover-tiny=$URL" --model clover-tiny --suite tools,memory,heldout,coding \
-    --tasks "$TASKS" --runs "$RUNS" --max-tokens 128 --condition "$AR" --condition "$VERIFY" --condition "$(block 16)" \
+    --tasks "$TASKS" --runs "$RUNS" --max-tokens 128 --condition "$AR" --condition "$AR_FREE" --condition "$VERIFY" --condition "$(block 16)" \
     --condition "$(block 32)" --out reports/agent-clover-tiny
 fi
 if has humaneval; then

@@ -316,14 +316,14 @@ def test_pending_grammar_starts_after_the_trigger_once_armed(setup):
 
 
 TOOLS_LONG = [{"type": "function", "function": {"name": "write_file", "parameters": {
-    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string", "maxLength": 40}},
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string", "maxLength": 80}},
     "required": ["path", "content"]}}}]
 
 
 @pytest.mark.parametrize("opened", [True, False])
 def test_tool_call_grammar_reads_calls_as_the_chat_format_writes_them(setup, opened):
-    """Multi-line string values (code in a file) pass and read back exactly; an unknown tool, a string
-    over maxLength or a missing required parameter does not pass."""
+    """Multi-line string values (code with '<' in a file) pass and read back exactly; an unknown tool, a
+    string over maxLength or a missing required parameter does not pass."""
     from clover.engine.structured import GrammarCompiler, tool_call_grammar
     from clover.model.chat import parse_output
 
@@ -339,15 +339,15 @@ def test_tool_call_grammar_reads_calls_as_the_chat_format_writes_them(setup, ope
         reply = body[len(tok.encode_chat([{"role": "user", "content": "x"}], enable_thinking=False, suffix=head)):]
         return compiler.matcher(grammar).valid_prefix(reply + [tok.eos_token_ids[-1]]) == len(reply) + 1
 
-    content = "def f(x):\n    return x + 1\n"
+    content = "def f(x):\n    if x < 2:\n        return '</b>'\n    return x + 1\n"
     call = (f"{'' if opened else chr(10)}<function=write_file>\n<parameter=path>\na.py\n</parameter>\n"
             f"<parameter=content>\n{content}\n</parameter>\n</function>\n")
     assert passes(call + "</tool_call>")
     out = parse_output("<tool_call>\n" + call.lstrip("\n") + "</tool_call>", thinking=False, tools=TOOLS_LONG)
     assert out.tool_calls[0].arguments == {"path": "a.py", "content": content}
     assert not passes(call.replace("write_file", "write_files") + "</tool_call>")
-    assert not passes(call.replace(content, "x" * 41) + "</tool_call>")
-    assert passes(call.replace(content, "x" * 40) + "</tool_call>")
+    assert not passes(call.replace(content, "x" * 81) + "</tool_call>")
+    assert passes(call.replace(content, "x" * 80) + "</tool_call>")
     assert not passes(call.replace("<parameter=path>\na.py\n</parameter>\n", "") + "</tool_call>")
 
 
@@ -371,3 +371,50 @@ def test_auto_tool_calls_are_held_to_the_offered_tools(url, setup, algorithm):
                              algorithm=algorithm, temperature=0.7, seed=k, logit_bias=bias, parallel_tool_calls=False,
                              chat_template_kwargs={"enable_thinking": False}, constrain_tool_calls=False)
         assert status == 200 and free["choices"][0]["finish_reason"] != "tool_calls", free   # unheld: no valid call
+
+
+def test_masks_along_a_grammar_that_completes_leaves_its_state_as_it_was(setup):
+    """Drafts that complete the grammar and then end the reply: the masks are the grammar's and the
+    matcher is where it was (the end of sequence after completion is no step to roll back)."""
+    from clover.engine.structured import GrammarCompiler
+
+    model, tok = setup
+    compiler = GrammarCompiler(tok, model.config.vocab_size, tok.eos_token_ids)
+    eos = tok.eos_token_ids[-1]
+    for constraint, text in ((Constraint("choice", json.dumps(["yes", "no"])), "yes"), (Constraint("regex", "a+"), "aa")):
+        m = compiler.matcher(constraint)
+        drafts = tok.encode(text) + [eos, eos]
+        before = m.valid_prefix(drafts)
+        masks = m.masks_along(drafts)
+        assert m.valid_prefix(drafts) == before == len(drafts) and len(masks) >= len(drafts)
+        assert all(bool(mask[eos]) and int(mask.sum()) <= len(tok.eos_token_ids) for mask in masks[len(drafts) - 1:])
+        m.consume(drafts)   # no error: the state is the one before the masks
+        assert m.finished
+    a, b = compiler.matcher(Constraint("regex", "a+")), compiler.matcher(Constraint("regex", "a+"))
+    a.consume(tok.encode("a"))
+    assert b.valid_prefix([eos]) == 0 and a.valid_prefix([eos]) == 1   # a kept grammar is copied per request
+
+
+def test_tool_schemas_with_defs_and_one_of_are_held_and_others_go_free(setup):
+    """$defs references and oneOf compile; a schema outside llguidance's subset (`not`) leaves the auto
+    calls free rather than refusing the request (a forced call is refused: it cannot be guaranteed)."""
+    from clover.engine.structured import auto_tool_calls, grammar_error
+
+    _, tok = setup
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                          "required": ["x"], "additionalProperties": False}},
+        "properties": {"p": {"$ref": "#/$defs/P"}, "q": {"oneOf": [{"type": "integer"}, {"type": "string"}]}},
+        "required": ["p"]}}}]
+    assert grammar_error(auto_tool_calls(tools, tok, thinking=False)) is None
+    tools[0]["function"]["parameters"]["properties"]["r"] = {"not": {"type": "null"}}
+    assert "not" in grammar_error(auto_tool_calls(tools, tok, thinking=False))
+
+
+def test_auto_tool_calls_go_free_where_the_schema_cannot_be_held(url):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"r": {"not": {"type": "null"}}}}}}]
+    status, body = _chat(url, messages=[{"role": "user", "content": "x"}], tools=tools, max_tokens=8)
+    assert status == 200, body
+    status, body = _chat(url, messages=[{"role": "user", "content": "x"}], tools=tools, max_tokens=8, tool_choice="required")
+    assert status == 400 and "not" in body["error"]["message"], body

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -102,21 +103,42 @@ def _grammar(constraint: Constraint) -> str:
     raise GrammarError(f"unknown constraint kind {kind!r}; choose from {list(KINDS)}")
 
 
-class GrammarCompiler:
-    """Turns constraints into matchers for one tokenizer and vocabulary (the tokenizer is converted once)."""
+@functools.lru_cache(maxsize=256)
+def grammar_error(constraint: Constraint) -> str | None:
+    """Why the constraint's grammar does not compile (None: it does), without a tokenizer: for a caller
+    that would rather go without a grammar than refuse the request."""
+    try:
+        is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(_grammar(constraint))
+    except GrammarError as exc:
+        return str(exc)
+    return "; ".join(messages) if is_error else None
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]) -> None:
+
+class GrammarCompiler:
+    """Turns constraints into matchers for one tokenizer and vocabulary (the tokenizer is converted once).
+    The matchers of the last `keep` constraints are kept at their start and copied for each request: an
+    agent sends the same tools every turn, and building a matcher takes milliseconds per tool."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int], keep: int = 64) -> None:
         ll = _llguidance()
         self.vocab_size = vocab_size
         self._ll = ll
         self._tokenizer = ll.LLTokenizer(tokenizer.tk.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
         self.eos_ids = frozenset(eos_ids)
+        self._keep = keep
+        self._built: OrderedDict[Constraint, Any] = OrderedDict()
 
     def matcher(self, constraint: Constraint) -> Matcher:
-        m = self._ll.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
-        if m.is_error():
-            raise GrammarError(f"{constraint.kind}: {m.get_error()}")
-        return Matcher(m, self.vocab_size, self.eos_ids)
+        m = self._built.get(constraint)
+        if m is None:
+            m = self._ll.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
+            if m.is_error():
+                raise GrammarError(f"{constraint.kind}: {m.get_error()}")
+            self._built[constraint] = m
+            if len(self._built) > self._keep:
+                self._built.popitem(last=False)
+        self._built.move_to_end(constraint)
+        return Matcher(m.deep_copy(), self.vocab_size, self.eos_ids)
 
     def start(self, constraint: Constraint) -> tuple[Matcher | None, Pending | None]:
         """A sequence's grammar state: (a matcher, None), or for a lazy grammar (None, its `Pending`),
@@ -171,11 +193,14 @@ class Matcher:
         drafts[:i], for i = 0 .. (number of leading drafts the grammar accepts). The state is unchanged."""
         valid = self._m.validate_tokens(drafts)
         masks = [self.allowed()]
+        consumed = 0
         for t in drafts[:valid]:
-            self._m.consume_token(t)
+            if not self._m.is_stopped():   # (an end of sequence after the grammar completes leaves no step
+                self._m.consume_token(t)   # to roll back: count only what was consumed)
+                consumed += 1
             masks.append(self.allowed())
-        if valid:
-            self._m.rollback(valid)
+        if consumed:
+            self._m.rollback(consumed)
         return masks
 
     @property
@@ -237,14 +262,16 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
     `<function=...>` line is pre-filled), or one of the tools (after `<tool_call>` and a new line when
     `opened`, else after the `<tool_call>` token alone: a lazy grammar that starts where the reply opens a
     call), then `</tool_call>`; with `parallel`, more calls may follow. Parameters: the required ones in
-    schema order, then each optional one or not; a string value is text without '<' (at most maxLength
-    characters and the new line before `</parameter>`, which the parser drops) or one of its enum,
-    written raw; other values are JSON matching their schema."""
+    schema order, then each optional one or not; a string value is any text up to the first new line and
+    `</parameter>` (at most maxLength characters; a lazy lexeme, so code with '<' passes) or one of its
+    enum, written raw; other values are JSON matching their schema (the tool's `$defs` in reach, oneOf
+    read as anyOf)."""
     rules, names = [], []
     for k, tool in enumerate(tools):
         fn = tool["function"]
         schema = fn.get("parameters") or {}
         props = schema.get("properties") or {}
+        defs = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)}
         required = [p for p in schema.get("required") or [] if p in props]
         parts = []
         for i, name in enumerate(required + [p for p in props if p not in required]):
@@ -254,16 +281,16 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
             if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
                 value = "(" + " | ".join(_lit(e) for e in enum) + ")"      # written raw, as strings are
             elif value_schema.get("type") == "string":
-                # the lexer is greedy: the value takes the new line before `</parameter>` (which cannot
-                # start with one), and cannot hold a '<' (nothing tells it from the end of the value)
-                value = f"STRING_{k}_{i}"
+                # shortest match: the value ends at the first "\n</parameter>\n", which the lexeme takes too
+                value, tail = f"string_{k}_{i}", ""
                 most = value_schema.get("maxLength")
-                bound = f"{{0,{int(most)}}}\\n?" if isinstance(most, int) and most >= 0 else "*"
-                rules.append(f"{value}: /[^<]{bound}/")
-                tail = _lit("</parameter>" + NL)
+                bound = f"{{0,{most}}}" if type(most) is int and most >= 0 else "*"
+                rules.append(f"{value}[lazy]: /(?s:.{bound})\\n<\\/parameter>\\n/")
             else:
                 value = f"value_{k}_{i}"
-                rules.append(f"{value}: %json {json.dumps({**value_schema, 'x-guidance': JSON_STYLE})}")
+                own = value_schema.get("x-guidance")
+                style = {**JSON_STYLE, "coerce_one_of": True, **(own if isinstance(own, dict) else {})}
+                rules.append(f"{value}: %json {json.dumps({**defs, **value_schema, 'x-guidance': style})}")
             rules.append(f"param_{k}_{i}: {_lit(f'<parameter={name}>' + NL)} {value} {tail}")
             parts.append(f"param_{k}_{i}" + ("" if name in required else "?"))
         rules.append(f"params_{k}: {' '.join(parts) or _lit('')}")

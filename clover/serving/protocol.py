@@ -165,8 +165,8 @@ class ChatRequest(SamplingRequest):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    constrain_tool_calls: bool | None = None    # Clover's: under tool_choice "auto", a call the reply opens
-                                                # names an offered tool and matches its schema (default on)
+    constrain_tool_calls: bool | None = None    # Clover's: a call the reply writes names an offered tool and
+                                                # matches its schema, a grammar holds it (default on)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
 
