@@ -150,6 +150,9 @@ BAD = [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "tools"),
     ("tool bad name", {"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "no spaces allowed"}}]}, 400, "tools"),
+    ("tool bad parameter name", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "a>b": {"type": "string"}}}}}]}, 400, "tools"),
     ("tool_choice unknown", {"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      400, "tool_choice"),

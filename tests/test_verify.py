@@ -639,9 +639,10 @@ def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffi
     assert lookup_drafts(np.array([4]), 2) == [] and lookup_drafts(np.array([], dtype=np.int64), 2) == []
 
 
-def test_lookup_drafts_are_used_only_without_a_preview_for_greedy_unconstrained_requests(model):
-    """A block without a preview drafts from the context; previewed blocks, sampled requests and requests
-    under a grammar do not, and `lookup=False` turns it off; the drafts stay within the block."""
+def test_lookup_drafts_are_used_only_without_a_preview_for_greedy_requests(model):
+    """A block without a preview drafts from the context; previewed blocks and sampled requests do not,
+    and `lookup=False` turns it off; the drafts stay within the block. (Under a grammar they are drafted
+    too: the check masks each row, tests/test_structured.py holds verify == ar there.)"""
     policy = VerifyPolicy(window=4)
     prompt = [3, 4, 5, 6, 3, 4]
     s = SequenceState(rid="x", prompt=prompt, params=SamplingParams(algorithm="verify"), block_size=3,

@@ -378,7 +378,7 @@ class VerifyPolicy(_Blocks):
     requests (temperature > 0) always check `window` drafts, so that a seed gives the same tokens
     whatever the timings.
 
-    A block decoded without a preview has no drafts of its own; a greedy sequence without a grammar then
+    A block decoded without a preview has no drafts of its own; a greedy sequence then
     drafts from its context (`lookup` on: `lookup_drafts`, up to `window` tokens, within the block), with
     its own running estimate of how often those are kept (`lookup_hit`), and the same choice of how many
     to check. Such drafts cost nothing to make, and the check decides as for any draft. The first block
@@ -542,9 +542,9 @@ class VerifyPolicy(_Blocks):
 
     def looked_up(self, s: SequenceState) -> list[int]:
         """Drafts from the sequence's context for the slots after its verified ones (`lookup_drafts`, at
-        most `window`, within the block), where its block has no preview and the request is greedy
-        without a grammar; else []."""
-        if not self.lookup or s.drafts is not None or not s.params.greedy or s.matcher is not None:
+        most `window`, within the block), where its block has no preview and the request is greedy; else [].
+        Under a grammar the check masks each draft's row, so a draft the grammar forbids is rejected there."""
+        if not self.lookup or s.drafts is not None or not s.params.greedy:
             return []
         if s.prompt_array is None:
             s.prompt_array = np.asarray(s.prompt, dtype=np.int64)
@@ -643,7 +643,7 @@ class VerifyPolicy(_Blocks):
         checks of drafts from the context, found in a share `lookup_found` of the steps and kept as
         `lookup_hit` says, where those are faster."""
         best = t0
-        if self.lookup and s.matcher is None:
+        if self.lookup:
             for m in self.choices[1:]:
                 took = self._time(m, n) if not compiled or m == self.window else None
                 if took is not None:

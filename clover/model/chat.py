@@ -131,6 +131,10 @@ def validate_tools(tools: list[dict] | None) -> list[dict]:
         bad = next((k for k, v in props.items() if not isinstance(v, dict)), None)
         if bad is not None:
             raise ChatFormatError(f"tools[{i}].function.parameters.properties.{bad} must be a JSON schema object")
+        bad = next((k for k in props if not k or ">" in k or "\n" in k), None)
+        if bad is not None:   # `<parameter=NAME>` could not be read back
+            raise ChatFormatError(f"tools[{i}].function.parameters.properties: the name {bad!r} must be non-empty "
+                                  "without '>' or a new line")
         required = params.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ChatFormatError(f"tools[{i}].function.parameters.required must be a list of property names")
