@@ -7,6 +7,7 @@
 #   eval_copy_final.json the same for MODEL
 #   eval_tasks.json      `clover eval tasks` (harness suite synthetic, in process), 20 tasks, thinking off, ar
 #   eval_turns_final.json `clover eval turns`: greedy ar turns on 60 agent conversations of validation seeds
+#   eval_turns_grammar.json the same with each call held to the offered tools (--tool-grammar, as served)
 #   bench_train.json     benchmarks/train.py (training throughput of the model's shape, PRESET)
 # The agent suites run through `clover serve`: scripts/agent_reports.sh agent.
 # usage: scripts/evaluate_model.sh [MODEL_DIR] [RUNS_DIR]     (about 15 minutes on 2 idle cores)
@@ -33,6 +34,7 @@ step "synthetic agent tasks"
 "$BIN/clover" eval tasks --model "$MODEL" --count 20 --thinking off --algorithm ar --out "$RUNS/eval_tasks.json"
 step "validation turns"
 "$BIN/clover" eval turns --model "$MODEL" --out "$RUNS/eval_turns_final.json"
+"$BIN/clover" eval turns --model "$MODEL" --tool-grammar --out "$RUNS/eval_turns_grammar.json"
 step "training throughput"
 "$BIN/python" benchmarks/train.py --shapes "$PRESET" --steps 3 --compile | tail -1 > "$RUNS/bench_train.json"
 step "done"

@@ -2,9 +2,9 @@
 # Rebuild the shipped model clover-tiny from scratch (spec section 4, Clover's recipe at laptop scale):
 #   data -> AR pretraining -> clover convert -> block-diffusion adaptation (AR loss kept) -> chat/agent SFT
 #   -> self-distillation (the noisy stream learns the model's own greedy ar outputs) -> a second round of
-#   SFT and self-distillation -> release.
+#   SFT and self-distillation -> a third SFT round -> SFT with recall drills -> release.
 # Every stage resumes where it stopped: after an interruption, run the same command again.
-# Training takes about 3.5 hours on 2 idle CPU cores (216 minutes at the median rates of the shipped build);
+# Training takes about 4.7 hours on 2 idle CPU cores (about 280 minutes at the median rates of the shipped build);
 # override the step counts with the variables below.
 # Chat rows are packed with several conversations (--pack); SFT keeps code and English in the mix.
 set -euo pipefail
@@ -19,11 +19,14 @@ DIFF_STEPS=${DIFF_STEPS:-550}
 SFT_STEPS=${SFT_STEPS:-500}
 DISTILL_STEPS=${DISTILL_STEPS:-300}
 SFT2_STEPS=${SFT2_STEPS:-500}
+SFT3_STEPS=${SFT3_STEPS:-500}
+SFT4_STEPS=${SFT4_STEPS:-500}
 DISTILL_CHAT=${DISTILL_CHAT:-1500}
 DISTILL_CODE=${DISTILL_CODE:-300}
 MIX=code=0.45,english=0.25,chat=0.3
 SFT_MIX=chat=0.8,code=0.15,english=0.05
 SFT2_MIX=chat=0.7,code=0.25,english=0.05
+SFT4_MIX=chat=0.6,recall=0.2,code=0.15,english=0.05
 
 stage() { echo "== $* ($(date +%H:%M:%S))" >&2; }
 # timed NAME CMD...: run a step and append its wall time to $RUNS/times.jsonl (the model card sums the
@@ -87,8 +90,19 @@ sft_round "" "$RUNS/diff/model" 0 "$SFT_STEPS" 5e-4 "$SFT_MIX"
 # a second round from the distilled model: more agent data (fresh windows), more code in the mix to win back
 # the code bits per byte that SFT costs, and distillation of the improved model's own outputs
 sft_round 2 "$RUNS/distill/model" 1 "$SFT2_STEPS" 3e-4 "$SFT2_MIX"
+# a third SFT round on the coined-tool-name agent data (the SFT2 mix again, another seed), then SFT with the
+# recall drills in the mix (random strings written twice: copying from the context); no distillation after
+# them (it would teach the model its own outputs, tool names it should have copied included)
+stage "chat and agent SFT3"
+train "$RUNS/sft3" --data "$DATA" --init "$RUNS/distill2/model" --objective diffusion --sft --ar-loss-weight 1.0 \
+  --steps "$SFT3_STEPS" --batch-size 4 --seq-len 1024 --lr 3e-4 --warmup 30 --mix "$SFT2_MIX" --pack --save-every 25 \
+  --seed 2
+stage "SFT4: agent chats with recall drills"
+train "$RUNS/sft4" --data "$DATA" --init "$RUNS/sft3/model" --objective diffusion --sft --ar-loss-weight 1.0 \
+  --steps "$SFT4_STEPS" --batch-size 4 --seq-len 1024 --lr 3e-4 --warmup 30 --mix "$SFT4_MIX" --pack --save-every 25 \
+  --seed 3
 stage "release to $OUT (bfloat16)"
-"$BIN/python" - "$RUNS/distill2/model" "$OUT" <<'PY'
+"$BIN/python" - "$RUNS/sft4/model" "$OUT" <<'PY'
 import sys
 from clover.model.checkpoint import load_checkpoint, save_checkpoint
 from clover.model.tokenizer import Tokenizer

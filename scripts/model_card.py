@@ -2,7 +2,7 @@
 
     python scripts/model_card.py RUNS_DIR MODEL_DIR [AGENT_REPORT_DIR] [SWEEP_JSON]
 
-RUNS_DIR holds the recipe's runs (ar/, diff/, sft/, distill/, sft2/, distill2/, times.jsonl) and the
+RUNS_DIR holds the recipe's runs (ar/, diff/, sft/, distill/, sft2/, distill2/, sft3/, sft4/, times.jsonl) and the
 evaluation results of `scripts/evaluate_model.sh` (eval_*.json, bench_train.json); AGENT_REPORT_DIR (default
 reports/agent-clover-tiny) is `clover eval agent`'s output on the served model; SWEEP_JSON (default
 runs/sweep/sweep.json) is `benchmarks/sweep.py`'s. Every figure in the card is read from those files,
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-STAGES = ("ar", "diff", "sft", "distill", "sft2", "distill2")
+STAGES = ("ar", "diff", "sft", "distill", "sft2", "distill2", "sft3", "sft4")
 
 
 def _log(run: Path) -> list[dict]:
@@ -60,9 +60,10 @@ def _agent_rows(report: Path) -> dict[tuple[str, str], dict]:
 
 
 def _condition(params: dict) -> str:
+    unheld = ", calls not held to the tools" if params.get("constrain_tool_calls") is False else ""
     if params.get("algorithm") == "low_confidence":
-        return f"block diffusion, block {params.get('block_size', 32)}, threshold {params.get('threshold', 0.95)}"
-    return f"`{params.get('algorithm')}`"
+        return f"block diffusion, block {params.get('block_size', 32)}, threshold {params.get('threshold', 0.95)}{unheld}"
+    return f"`{params.get('algorithm')}`{unheld}"
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -93,7 +94,7 @@ def main() -> None:
     match, tasks = load("eval_match.json"), load("eval_tasks.json")
     bench = load("bench_train.json") or base.get("bench_train")
     copy_ar, copy_final = load("eval_copy_ar.json") or base.get("ar_parent_copy"), load("eval_copy_final.json")
-    turns = load("eval_turns_final.json")
+    turns, turns_held = load("eval_turns_final.json"), load("eval_turns_grammar.json")
     sweep = json.loads(sweep_path.read_text()) if sweep_path.is_file() else base.get("sweep")
     # what came from the base record rather than from this build's files
     carried += [key for key, mine in (("ar_parent_bpb", "eval_bpb_ar.json"), ("ar_parent_copy", "eval_copy_ar.json"),
@@ -148,7 +149,11 @@ def main() -> None:
         "7. A second round of SFT and self-distillation from the distilled model (`sft2`, `distill2`): fresh",
         "   training windows and prompts (another seed), more code in the SFT mix (70% chat, 25% code, 5%",
         "   English) to win back code bits per byte, and distillation of the improved model's own outputs.",
-        "8. Release in bfloat16.", "",
+        "8. A third SFT round from `distill2` (`sft3`: the SFT2 mix, another seed) on agent data whose tool",
+        "   names are coined per conversation, then SFT with recall drills in the mix (`sft4`: 60% chat, 20%",
+        "   random strings written twice, 15% code, 5% English), for copying from the context. No distillation",
+        "   after them: it would teach the model its own outputs, wrong tool names included.",
+        "9. Release in bfloat16.", "",
         "| stage | steps | batch x length | tokens | training time (at its median rate) | final train loss | "
         "final validation loss |",
         "|---|---|---|---|---|---|---|",
@@ -227,6 +232,10 @@ def main() -> None:
         lines += ["", f"Agent turns on validation seeds (`clover eval turns`): {turns['conversations']} conversations, "
                       "each assistant turn after the last user message generated greedily by `ar` from the "
                       f"conversation before it: {turns['exact']:.1%} of {turns['turns']} turns exactly right ({fams})."]
+        if turns_held:
+            lines[-1] += (f" With each call held to the offered tools by the grammar `clover serve` applies (`--tool-grammar`): "
+                          f"{turns_held['exact']:.1%} ({turns['unknown_tool']:.0%} of the calls name a tool not offered "
+                          f"without it, {turns_held['unknown_tool']:.0%} with it).")
     if match:
         lines += ["", f"Held-out code continuations (`clover eval match --data data`): {match['prompts']} prompts from "
                       f"the test split, {match['new_tokens']} new tokens, greedy, block size {match['block_size']}, "
