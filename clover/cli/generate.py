@@ -12,7 +12,7 @@ import torch
 
 from clover.engine.engine import Engine, GenerationResult
 from clover.engine.sampling import ALGORITHMS, SamplingParams
-from clover.engine.structured import auto_tool_calls, grammar_error
+from clover.engine.structured import auto_tool_calls
 from clover.engine.trace import render_steps_ansi, write_trace_html
 from clover.model.chat import StreamingParser, parse_output, validate_tools
 from clover.model.checkpoint import Loaded, load_for_generation
@@ -127,12 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = tok.apply_chat_template(messages, tools=tools, enable_thinking=not args.no_think)
         ids = tok.encode_chat(messages, tools=tools, enable_thinking=not args.no_think)
         if tools and not args.free_tool_calls and params.constraint is None and not params.ignore_eos:
-            held = auto_tool_calls(tools, tok, thinking=not args.no_think)
-            problem = grammar_error(held)
-            if problem is None:
-                params = params.with_(constraint=held)
-            else:   # as `clover serve`: a schema outside what the grammar can hold leaves the calls free
-                print(f"{DIM}tool calls not held to their schemas: {problem}{RESET}", file=sys.stderr)
+            params = params.with_(constraint=auto_tool_calls(tools, tok, thinking=not args.no_think))
     engine = Engine(loaded.model, tok)
     streaming = not (args.json or args.show_steps)
     result = None

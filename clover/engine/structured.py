@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,6 +44,8 @@ import torch
 
 if TYPE_CHECKING:
     from clover.model.tokenizer import Tokenizer
+
+log = logging.getLogger("clover.engine")
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
@@ -305,10 +308,17 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
     return "\n".join([f"start: {first} {close}{more}", *rules])
 
 
-def auto_tool_calls(tools: list[dict], tokenizer: Tokenizer, thinking: bool, parallel: bool = True) -> Constraint:
+def auto_tool_calls(tools: list[dict], tokenizer: Tokenizer, thinking: bool, parallel: bool = True) -> Constraint | None:
     """The lazy grammar of a reply that may call `tools` (tool_choice "auto"): free until it opens a call
-    (after its reasoning when `thinking`), then `tool_call_grammar` for that call and any after it."""
+    (after its reasoning when `thinking`), then `tool_call_grammar` for that call and any after it. None
+    (with a warning) where a schema is outside what the grammar can hold: the calls then go free rather
+    than the request being refused."""
     specials = tokenizer.special_ids
-    return Constraint("lark", tool_call_grammar(tools, None, parallel, specials["<tool_call>"],
+    held = Constraint("lark", tool_call_grammar(tools, None, parallel, specials["<tool_call>"],
                                                 specials["</tool_call>"], opened=False),
                       trigger=specials["<tool_call>"], not_before=specials["</think>"] if thinking else None)
+    problem = grammar_error(held)
+    if problem is not None:
+        log.warning("tool calls not held to their schemas: %s", problem)
+        return None
+    return held

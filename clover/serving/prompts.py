@@ -12,16 +12,13 @@ false turns it off). "none" hides the tools from the prompt and keeps tool-call 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any
 
-from clover.engine.structured import Constraint, auto_tool_calls, grammar_error, tool_call_grammar
+from clover.engine.structured import Constraint, auto_tool_calls, tool_call_grammar
 from clover.model.chat import ChatFormatError, StreamingParser, validate_tools
 from clover.model.tokenizer import Tokenizer
 from clover.serving.protocol import APIError, ChatRequest, MessageIn, NamedToolChoice, SamplingRequest, ToolDef
-
-log = logging.getLogger("clover.serving")
 
 
 def constraint_from(req: SamplingRequest) -> Constraint | None:
@@ -149,10 +146,6 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
     elif tools and choice == "auto" and constraint is None and req.constrain_tool_calls is not False \
             and not req.ignore_eos:   # (a grammar ends the reply where it completes)
         constraint = auto_tool_calls(tools, tokenizer, thinking, req.parallel_tool_calls is not False)
-        problem = grammar_error(constraint)
-        if problem is not None:   # a schema the grammar cannot hold (llguidance's subset): the calls go free
-            log.warning("tool calls not held to their schemas: %s", problem)
-            constraint = None
     offered = tools if choice != "none" else None
     try:
         ids = tokenizer.encode_chat(messages_from(req.messages), tools=offered, enable_thinking=thinking, suffix=prefix)
