@@ -1,6 +1,7 @@
 """Forward-pass timings of Clover's three inference passes against transformers on identical weights.
 
-For each preset: causal prefill (per token), preview of one block over the prefilled cache, commit
+For each preset: causal prefill (per token), preview of one block over the prefilled cache (and of a
+half-resolved block with every row's logits or the mask slots' only), commit
 of one block (causal, extends the cache), one autoregressive step (1 token, extends the cache), and
 `verify`'s check of 2, 5 and 9 tokens with the keep of half of them. The preview and the AR step are timed
 in alternating rounds, which also give the preview's time over an AR step's per round (robust to this CPU's
@@ -98,16 +99,35 @@ def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compil
             rounds.append((time.perf_counter() - t0, ar_steps()))
         return rounds
 
+    # a block half resolved (every other slot masked, as in the middle of low_confidence's steps): the
+    # preview with every row's logits against the mask slots' only (masked_only), in alternating rounds
+    half = ids[:, prompt_len: prompt_len + b].clone()
+    half[:, ::2] = config.mask_token_id
+
+    def half_rounds() -> list[tuple[float, float]]:
+        out = []
+        for _ in range(repeats * blocks):
+            t0 = time.perf_counter()
+            model.preview(half, cache)
+            t1 = time.perf_counter()
+            model.preview(half, cache, masked_only=True)
+            out.append((t1 - t0, time.perf_counter() - t1))
+        return out
+
     model.preview(mask_block, cache)   # warm-up
     ar_steps()
     rounds = preview_and_steps()
+    halves = half_rounds()
     preview = statistics.median(p for p, _ in rounds)
     ar_step = statistics.median(t for _, steps in rounds for t in steps)
     commit = statistics.median(t for _ in range(repeats) for t in commits())
     result = {"preset": preset, "parameters_total": config.num_parameters()[0],
               "clover_prefill_ms_per_token": 1e3 * prefill / prompt_len, "clover_preview_ms": 1e3 * preview,
               "clover_commit_ms": 1e3 * commit, "clover_ar_step_ms": 1e3 * ar_step,
-              "preview_over_ar_step": statistics.median(p / statistics.median(steps) for p, steps in rounds)}
+              "preview_over_ar_step": statistics.median(p / statistics.median(steps) for p, steps in rounds),
+              "clover_preview_half_ms": 1e3 * statistics.median(f for f, _ in halves),
+              "clover_preview_half_masked_only_ms": 1e3 * statistics.median(m for _, m in halves),
+              "preview_half_masked_only_over_full": statistics.median(m / f for f, m in halves)}
     for width in CHECK_WIDTHS:
         checks(width)   # warm-up
         result.update({f"clover_{k}": v for k, v in checks(width).items()})
@@ -174,7 +194,8 @@ def main() -> None:
     results = [bench_preset(p, args.prompt, args.blocks, args.repeats, args.compile) for p in args.presets.split(",")]
     for r in results:
         print(f"\n{r['preset']} ({r['parameters_total'] / 1e6:.1f}M parameters)")
-        for key in ("prefill_ms_per_token", "preview_ms", "commit_ms", "ar_step_ms", "ar_step_compiled_ms",
+        for key in ("prefill_ms_per_token", "preview_ms", "preview_half_ms", "preview_half_masked_only_ms",
+                    "commit_ms", "ar_step_ms", "ar_step_compiled_ms",
                     "preview_compiled_ms", *(f"{kind}_{w}_{mode}ms" for mode in ("", "compiled_")
                                              for w in CHECK_WIDTHS for kind in ("check", "keep"))):
             ours, theirs = r.get(f"clover_{key}"), r.get(f"transformers_{key}")
@@ -184,6 +205,8 @@ def main() -> None:
             if theirs is not None:
                 line += f"   transformers {theirs:9.3f}   speedup {theirs / ours:5.2f}x"
             print(line)
+        print(f"  {'half-masked preview':22s} mask slots' logits only / every row's: "
+              f"{r['preview_half_masked_only_over_full']:.2f}x (paired rounds)")
         print(f"  {'preview / AR step':22s} {r['preview_over_ar_step']:.2f}x (paired rounds)"
               + (f"; compiled {r['preview_over_ar_step_compiled']:.2f}x (separate medians)"
                  if "preview_over_ar_step_compiled" in r else ""))

@@ -51,7 +51,7 @@ class ScriptedModel:
         return torch.stack([self._logits(*self.ar_script(s + int(n))) for s, n in zip(starts, lengths, strict=True)])
 
     def causal_and_preview(self, clean, block, cache, clean_lengths, block_lengths, rows, clean_logits="last",
-                           gdn_trace=None):
+                           gdn_trace=None, masked_only=False):
         """The fused pass as its two parts: a commit of the clean rows that have any (logged as a causal
         call, as the separate passes would be), then the preview of every block."""
         some = [i for i, n in enumerate(clean_lengths.tolist()) if n > 0]
@@ -62,9 +62,9 @@ class ScriptedModel:
                               torch.tensor(row_list(rows))[idx])
             if out is not None:
                 last[idx] = out
-        return last, self.preview(block, cache, block_lengths, rows)
+        return last, self.preview(block, cache, block_lengths, rows, masked_only)
 
-    def preview(self, block, cache, lengths, rows=None):
+    def preview(self, block, cache, lengths, rows=None, masked_only=False):
         rows = row_list(rows)
         self.calls.append(("preview", [block[i, : int(n)].tolist() for i, n in enumerate(lengths)], rows))
         out = torch.zeros(block.shape[0], block.shape[1], self.config.vocab_size)
@@ -74,6 +74,9 @@ class ScriptedModel:
             start = int(cache.lengths[r])
             for t in range(block.shape[1]):
                 out[i, t] = self._logits(*self.script(j, start + t))
+        if masked_only:   # rows the caller said it would not read: NaN, so that reading one shows
+            inside = torch.arange(block.shape[1])[None, :] < torch.as_tensor(lengths)[:, None]
+            out[(block != self.config.mask_token_id) | ~inside] = float("nan")
         return out
 
 

@@ -153,6 +153,40 @@ def test_training_forward_gradients_reach_every_parameter(debug_model):
     assert dead == []
 
 
+def test_logits_of_the_rows_a_decoder_reads_equal_the_full_pass_and_the_rest_are_zero(debug_model):
+    """`masked_only` (preview, and the fused pass's block) runs the LM head on the mask slots within each
+    row's length only; a check's padded rows skip it too. The rows computed equal the full pass's."""
+    mask_id = debug_model.config.mask_token_id
+    with torch.no_grad():
+        cache = debug_model.new_cache(3)
+        debug_model.causal(torch.randint(0, 500, (3, 11)), cache, lengths=torch.tensor([11, 4, 7]))
+        block = torch.randint(0, 500, (3, 8))
+        block[0, [1, 2, 6]] = mask_id
+        block[1] = mask_id
+        block[2, [0, 5, 7]] = mask_id                     # slot 7 lies past the row's length
+        lengths = torch.tensor([8, 8, 6])
+        wanted = (block == mask_id) & (torch.arange(8)[None, :] < lengths[:, None])
+        full = debug_model.preview(block, cache, lengths=lengths)
+        some = debug_model.preview(block, cache, lengths=lengths, masked_only=True)
+        assert_close(some[wanted], full[wanted], atol=ATOL, what="preview at mask slots")
+        assert not some[~wanted].any()
+
+        clean, clean_lengths = torch.randint(0, 500, (3, 5)), torch.tensor([5, 2, 0])
+        fused = [debug_model.causal_and_preview(clean, block, c, clean_lengths=clean_lengths, block_lengths=lengths,
+                                                masked_only=only)
+                 for c, only in ((cache.select([0, 1, 2]), False), (cache.select([0, 1, 2]), True))]
+        assert_close(fused[1][0], fused[0][0], atol=ATOL, what="fused clean logits")
+        assert_close(fused[1][1][wanted], fused[0][1][wanted], atol=ATOL, what="fused block at mask slots")
+        assert not fused[1][1][~wanted].any()
+
+        drafts, check_lengths = torch.randint(0, 500, (3, 6)), torch.tensor([6, 2, 4])
+        valid = torch.arange(6)[None, :] < check_lengths[:, None]
+        checked, _ = debug_model.check(drafts, cache, lengths=check_lengths)
+        plain = debug_model.causal(drafts, cache.select([0, 1, 2]), lengths=check_lengths)
+        assert_close(checked[valid], plain[valid], atol=ATOL, what="check rows")
+        assert not checked[~valid].any()
+
+
 def test_bad_input_gets_clear_errors(debug_model):
     cache = debug_model.new_cache(1)
     with pytest.raises(TypeError, match="int64 or int32"):
@@ -295,7 +329,7 @@ def _compare_compiled_with_eager(config: CloverConfig, passes: tuple[str, ...]) 
             def check_and_keep(m, c):
                 logits, trail = m.check(drafts, c, lengths=torch.tensor([6, 2, 4]))
                 m.keep(c, trail, [3, 2, 1])
-                return logits
+                return logits * (torch.arange(6)[None, :] < torch.tensor([6, 2, 4])[:, None])[..., None]  # rows read
 
             both(check_and_keep)
         if "fused" in passes:

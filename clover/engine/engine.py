@@ -330,7 +330,8 @@ class Engine:
 
     def fused(self, seqs: list[SequenceState], clean: list[list[int]] | list[torch.Tensor],
               blocks: list[torch.Tensor], clean_logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """model.causal_and_preview over the sequences' rows (a commit fused with a preview), timed."""
+        """model.causal_and_preview over the sequences' rows (a commit fused with a preview), timed; the
+        block's logits only at its mask slots (the unresolved ones: what the policies read)."""
         rows = self._rows(seqs)
         dev = self.model.device
         remember = self.prefix is not None
@@ -340,7 +341,7 @@ class Engine:
             self.pad(clean, 0), self.pad(blocks, self.config.mask_token_id), self.cache,
             clean_lengths=torch.tensor(clean_lengths, device=dev),
             block_lengths=torch.tensor([len(b) for b in blocks], device=dev), rows=rows,
-            clean_logits=clean_logits, gdn_trace=trace))
+            clean_logits=clean_logits, gdn_trace=trace, masked_only=True))
         if remember:
             self._remember(seqs, before, rings, trace)
         return out

@@ -175,7 +175,7 @@ class LowConfidence(_Blocks):
         open_ = [s for s in seqs if not bool(s.resolved.all())]
         if open_:
             logits = engine.forward(open_, "preview", engine.pad([s.block for s in open_], engine.config.mask_token_id),
-                                    [len(s.block) for s in open_])
+                                    [len(s.block) for s in open_], masked_only=True)
             for s, lg in zip(open_, logits, strict=True):
                 s.stats.preview_forwards += 1
                 with engine.isolated(s, events):
@@ -683,7 +683,7 @@ class VerifyPolicy(_Blocks):
         if rest:
             t0 = time.perf_counter()
             logits = engine.forward(rest, "preview", engine.pad([s.block for s in rest], engine.config.mask_token_id),
-                                    [len(s.block) for s in rest])
+                                    [len(s.block) for s in rest], masked_only=True)
             self._record(("preview alone", len(rest)), t0, engine.model.device)
             for s, lg in zip(rest, logits, strict=True):
                 s.stats.preview_forwards += 1

@@ -425,6 +425,17 @@ class CloverForCausalLM(nn.Module):
             h = h + y
         return self.model.norm(h), router_logits
 
+    def _head(self, h: torch.Tensor, wanted: torch.Tensor | None = None) -> torch.Tensor:
+        """LM-head logits [N,T,V] of h [N,T,D]; with `wanted` [N,T] bool, only those rows go through the head
+        and the others are zero (the head's product is the largest of a block's forward at a large
+        vocabulary: a block whose slots are mostly resolved, or a padded check, needs few of its rows)."""
+        at = None if wanted is None else wanted.nonzero(as_tuple=True)
+        if at is None or len(at[0]) == wanted.numel():
+            return self.lm_head(h)
+        out = h.new_zeros(*h.shape[:-1], self.lm_head.out_features)
+        out[at] = self.lm_head(h[at]).to(out.dtype)
+        return out
+
     @staticmethod
     def _prefix_mask(past: torch.Tensor, p: int, t: int) -> torch.Tensor:
         """[N,1,T,P] bool: cached key j is visible to every new row when j < past[n]."""
@@ -441,12 +452,13 @@ class CloverForCausalLM(nn.Module):
         the rest left as it was). `gdn_trace`, when given, receives each GDN layer's output with its
         state before every block-sized chunk (a prefix cache snapshots them), or, under "kv", after every row.
 
-        `logits`: "all" -> [N,T,V]; "last" -> [N,V] at each row's last valid position; "none" -> None
+        `logits`: "all" -> [N,T,V]; "valid" -> the same with zeros at the positions past each row's length
+        (their LM head skipped); "last" -> [N,V] at each row's last valid position; "none" -> None
         (a commit needs no logits); "train" -> (final hidden states [N,T,D], router aux loss). `rows`: the cache rows the N input rows belong to (default: all,
         in order), so that a sub-batch runs over a shared cache without copying it.
         """
-        if logits not in ("all", "last", "none", "train"):
-            raise ValueError(f"logits must be 'all', 'last', 'none' or 'train', got {logits!r}")
+        if logits not in ("all", "valid", "last", "none", "train"):
+            raise ValueError(f"logits must be 'all', 'valid', 'last', 'none' or 'train', got {logits!r}")
         self._check_ids(input_ids, "input_ids")
         n, t = input_ids.shape
         if cache is not None:
@@ -455,7 +467,7 @@ class CloverForCausalLM(nn.Module):
         else:
             past = torch.zeros(n, dtype=torch.long, device=input_ids.device)
         lengths = self._lengths(input_ids, lengths, past)
-        if ("step" in self._compiled and t == 1 and write is True and cache is not None and logits in ("last", "all")
+        if ("step" in self._compiled and t == 1 and write is True and cache is not None and logits in ("last", "all", "valid")
                 and not isinstance(rows, torch.Tensor) and bool((lengths == 1).all())):
             cache.reserve(int(past.max()) + 1, self.config.max_position_embeddings)
             out = self._call_compiled("step", cache, rows, input_ids, past, lengths, False)
@@ -506,6 +518,8 @@ class CloverForCausalLM(nn.Module):
             return None
         if logits == "last":
             h = h[torch.arange(n, device=h.device), (lengths - 1).clamp(min=0)]
+        elif logits == "valid" and t > 1:
+            return self._head(h, steps[None, :] < lengths[:, None])
         return self.lm_head(h)
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -616,7 +630,8 @@ class CloverForCausalLM(nn.Module):
         rows: torch.Tensor | list[int] | slice | None = None,
     ) -> tuple[torch.Tensor, CheckTrail]:
         """`verify`'s causal pass (spec section 5b): logits [N,T,V] of input_ids [N,T] (a few tokens) run
-        causally after each row's cached prefix: row t predicts the token after it. The rows' K/V are
+        causally after each row's cached prefix: row t predicts the token after it (rows past a row's
+        length: zero, or their logits where the pass runs compiled). The rows' K/V are
         written past each cache row's length, where nothing reads them, and its GDN state, conv ring and
         length stay as they were: `keep` then takes the first rows of each input into the cache (those
         the causal head verified), so no state of a rejected draft is ever committed."""
@@ -632,7 +647,7 @@ class CloverForCausalLM(nn.Module):
                 logits, steps, u = out
                 return logits, CheckTrail(rows, lengths, steps, u)
         trace: dict[int, GDNCausalOut] = {}
-        logits = self.causal(input_ids, cache, lengths=lengths, logits="all", rows=rows, write="kv", gdn_trace=trace)
+        logits = self.causal(input_ids, cache, lengths=lengths, logits="valid", rows=rows, write="kv", gdn_trace=trace)
         layers = range(len(cache.states))
         return logits, CheckTrail(rows, lengths, [trace[i].steps if i in trace else None for i in layers],
                                   [trace[i].u if i in trace else None for i in layers])
@@ -669,10 +684,12 @@ class CloverForCausalLM(nn.Module):
     # -- preview mode: one denoising step over the current block -------------------------------------
     def preview(
         self, block_ids: torch.Tensor, cache: PrefixCache, lengths: torch.Tensor | None = None,
-        rows: torch.Tensor | list[int] | None = None,
+        rows: torch.Tensor | list[int] | None = None, masked_only: bool = False,
     ) -> torch.Tensor:
         """Logits [N,S,V] for a block [N,S] placed right after each cached prefix (of the cache `rows`,
-        default all); the cache is not written."""
+        default all); the cache is not written. `masked_only`: the logits a decoder reads, those of the
+        block's mask slots (within its length); the others are zero (or computed, where the pass runs
+        compiled)."""
         self._check_ids(block_ids, "block_ids")
         n, s = block_ids.shape
         rows = self._cache_rows(cache, n, rows)
@@ -684,14 +701,20 @@ class CloverForCausalLM(nn.Module):
             out = self._call_compiled("preview", cache, rows, block_ids, past, lengths, p)
             if out is not None:
                 return out
-        return self._preview_body(block_ids, past, lengths, p, _CacheRows(cache, rows))
+        return self._preview_body(block_ids, past, lengths, p, _CacheRows(cache, rows),
+                                  self._masked(block_ids, lengths) if masked_only else None)
 
     def _preview_views(self, block_ids: torch.Tensor, past: torch.Tensor, lengths: torch.Tensor, p: int,
                        keys: list, values: list, states: list, rings: list) -> torch.Tensor:
         return self._preview_body(block_ids, past, lengths, p, _RowViews(keys, values, states, rings, past))
 
+    def _masked(self, block_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[N,S] bool: the block's mask slots within each row's length."""
+        inside = torch.arange(block_ids.shape[1], device=block_ids.device)[None, :] < lengths[:, None]
+        return (block_ids == self.config.mask_token_id) & inside
+
     def _preview_body(self, block_ids: torch.Tensor, past: torch.Tensor, lengths: torch.Tensor, p: int,
-                      rows: _CacheRows | _RowViews) -> torch.Tensor:
+                      rows: _CacheRows | _RowViews, wanted: torch.Tensor | None = None) -> torch.Tensor:
         n, s = block_ids.shape
         steps = torch.arange(s, device=block_ids.device)
         inside = (steps[None, :] < lengths[:, None])[:, None, None, :].expand(n, 1, s, s)
@@ -705,21 +728,21 @@ class CloverForCausalLM(nn.Module):
             return layer.linear_attn.preview(x, *rows.gdn(i), lengths)
 
         h, _ = self._run(block_ids, past[:, None] + steps[None, :], mixer)
-        return self.lm_head(h)
+        return self._head(h, wanted)
 
     # -- fused decoding pass: a causal stream and a preview in one forward ----------------------------
     def causal_and_preview(
         self, clean_ids: torch.Tensor, block_ids: torch.Tensor, cache: PrefixCache,
         clean_lengths: torch.Tensor | None = None, block_lengths: torch.Tensor | None = None,
         rows: torch.Tensor | list[int] | None = None, clean_logits: str = "last",
-        gdn_trace: dict[int, GDNCausalOut] | None = None,
+        gdn_trace: dict[int, GDNCausalOut] | None = None, masked_only: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One forward that does what `causal` and `preview` do apart (spec section 3: a fusion is
         allowed only where its results equal the separate passes; tests compare them): clean_ids [N,Tc]
         are appended to the cache (a block commit, or a prefill) and the block [N,S] is previewed right
         after them, over the cache they leave; this is the commit of one block and the first denoising
         step of the next. Returns (clean logits per `clean_logits` "all" / "last" / "none", block logits [N,S,V]).
-        `gdn_trace` as in `causal`, for the clean stream.
+        `gdn_trace` as in `causal`, for the clean stream; `masked_only` as in `preview`, for the block.
         """
         if clean_logits not in ("all", "last", "none"):
             raise ValueError(f"clean_logits must be 'all', 'last' or 'none', got {clean_logits!r}")
@@ -743,7 +766,8 @@ class CloverForCausalLM(nn.Module):
                 return out
         cache.reserve(int((past + clean_lengths).max()), self.config.max_position_embeddings)
         out = self._fused_body(clean_ids, block_ids, past, clean_lengths, block_lengths, p, clean_logits,
-                               _CacheRows(cache, rows), gdn_trace)
+                               _CacheRows(cache, rows), gdn_trace,
+                               self._masked(block_ids, block_lengths) if masked_only else None)
         cache.advance(rows, clean_lengths)
         return out
 
@@ -755,8 +779,8 @@ class CloverForCausalLM(nn.Module):
 
     def _fused_body(self, clean_ids: torch.Tensor, block_ids: torch.Tensor, past: torch.Tensor,
                     clean_lengths: torch.Tensor, block_lengths: torch.Tensor, p: int, clean_logits: str,
-                    rows: _CacheRows | _RowViews, gdn_trace: dict[int, GDNCausalOut] | None
-                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                    rows: _CacheRows | _RowViews, gdn_trace: dict[int, GDNCausalOut] | None,
+                    wanted: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         (n, tc), s = clean_ids.shape, block_ids.shape[1]
         block_start = past + clean_lengths
         dev = clean_ids.device
@@ -798,7 +822,7 @@ class CloverForCausalLM(nn.Module):
             out_clean = self.lm_head(hc[torch.arange(n, device=dev), (clean_lengths - 1).clamp(min=0)])
         else:
             out_clean = self.lm_head(hc)
-        return out_clean, self.lm_head(hb)
+        return out_clean, self._head(hb, wanted)
 
     # -- training mode: both streams, every block in one pass ----------------------------------------
     def training_forward(
