@@ -427,8 +427,8 @@ class CloverForCausalLM(nn.Module):
 
     def _head(self, h: torch.Tensor, wanted: torch.Tensor | None = None) -> torch.Tensor:
         """LM-head logits [N,T,V] of h [N,T,D]; with `wanted` [N,T] bool, only those rows go through the head
-        and the others are zero (the head's product is the largest of a block's forward at a large
-        vocabulary: a block whose slots are mostly resolved, or a padded check, needs few of its rows)."""
+        and the others are zero (at a large vocabulary the head is the largest single product of a block's
+        forward, and a block whose slots are mostly resolved, or a padded check, needs few of its rows)."""
         at = None if wanted is None else wanted.nonzero(as_tuple=True)
         if at is None or len(at[0]) == wanted.numel():
             return self.lm_head(h)
