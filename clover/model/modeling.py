@@ -519,7 +519,7 @@ class CloverForCausalLM(nn.Module):
         if logits == "last":
             h = h[torch.arange(n, device=h.device), (lengths - 1).clamp(min=0)]
         elif logits == "valid" and t > 1:
-            return self._head(h, steps[None, :] < lengths[:, None])
+            return self._head(h, valid_mask(lengths, t))
         return self.lm_head(h)
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -710,8 +710,7 @@ class CloverForCausalLM(nn.Module):
 
     def _masked(self, block_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """[N,S] bool: the block's mask slots within each row's length."""
-        inside = torch.arange(block_ids.shape[1], device=block_ids.device)[None, :] < lengths[:, None]
-        return (block_ids == self.config.mask_token_id) & inside
+        return (block_ids == self.config.mask_token_id) & valid_mask(lengths, block_ids.shape[1])
 
     def _preview_body(self, block_ids: torch.Tensor, past: torch.Tensor, lengths: torch.Tensor, p: int,
                       rows: _CacheRows | _RowViews, wanted: torch.Tensor | None = None) -> torch.Tensor:
