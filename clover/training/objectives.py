@@ -5,7 +5,10 @@ probability t (or exactly round(t * n) of them); the loss is the noisy-stream cr
 positions weighted by 1/t and normalised by the number of eligible tokens (the masked-diffusion
 ELBO); the plain masked-token cross-entropy is reported too. Options: an AR loss on the clean
 stream, the router load-balancing loss, complementary masking (a second noisy copy with the
-complement mask, so every token is scored). SFT is the same with only assistant tokens eligible.
+complement mask, so every token is scored), and certainty forcing (in the spirit of dParallel: the
+entropy of the noisy stream's prediction at masked positions it already predicts right, so that
+right guesses become confident enough to commit in parallel; weighted by `certainty_weight`,
+normalised like the ELBO by the eligible tokens). SFT is the same with only assistant tokens eligible.
 
 All reductions are sums over the rows given, divided by a denominator computed from the whole
 global batch, so that data-parallel ranks add up to exactly the single-process loss.
@@ -30,6 +33,7 @@ class ObjectiveConfig:
     mask_mode: str = "bernoulli"      # "bernoulli" or "exact"
     eps: float = 1e-3
     aux_loss_coef: float | None = None  # None: the model config's router_aux_loss_coef
+    certainty_weight: float = 0.0     # diffusion: weight of the entropy at right-predicted masked positions
 
     def validate(self) -> None:
         if self.kind not in ("ar", "diffusion"):
@@ -38,8 +42,8 @@ class ObjectiveConfig:
             raise ValueError(f"loss_weighting must be 'elbo' or 'none', got {self.loss_weighting!r}")
         if self.mask_mode not in ("bernoulli", "exact"):
             raise ValueError(f"mask_mode must be 'bernoulli' or 'exact', got {self.mask_mode!r}")
-        if not 0 < self.eps < 1 or self.ar_loss_weight < 0:
-            raise ValueError("eps must be in (0, 1) and ar_loss_weight >= 0")
+        if not 0 < self.eps < 1 or self.ar_loss_weight < 0 or self.certainty_weight < 0:
+            raise ValueError("eps must be in (0, 1), ar_loss_weight and certainty_weight >= 0")
 
 
 @dataclass
@@ -103,12 +107,20 @@ def compute_loss(
     out = model.training_forward(clean, noisy, lengths.repeat(copies), output="hidden")
     masked = torch.cat([nz.masked for nz in noises])
     t = torch.cat([nz.t for nz in noises])
-    ce = F.cross_entropy(model.lm_head(out.noisy[masked]).float(), clean[masked], reduction="none")   # [M]
+    logits = model.lm_head(out.noisy[masked]).float()                                          # [M,V]
+    targets = clean[masked]
+    ce = F.cross_entropy(logits, targets, reduction="none")                                      # [M]
     weight = 1.0 / t[masked] if cfg.loss_weighting == "elbo" else torch.ones_like(ce)
     elbo_sum = (ce * weight).sum()
     loss = elbo_sum / max(denominators["tokens"] * copies, 1)
     sums = {"diffusion_loss_sum": float(elbo_sum.detach()), "masked_ce_sum": float(ce.detach().sum()), "masked": int(masked.sum()),
             "tokens": int(eligible.sum()) * copies}
+    if cfg.certainty_weight > 0:
+        right = logits.detach().argmax(-1) == targets                                            # [M]
+        logp = F.log_softmax(logits[right], dim=-1)
+        entropy_sum = -(logp.exp() * logp).sum()
+        loss = loss + cfg.certainty_weight * entropy_sum / max(denominators["tokens"] * copies, 1)
+        sums.update(certainty_entropy_sum=float(entropy_sum.detach()), masked_right=int(right.sum()))
     if cfg.ar_loss_weight > 0:
         ar_ce, count = _ar_sums(model, out.clean[: ids.shape[0]], ids, eligible)
         loss = loss + cfg.ar_loss_weight * ar_ce / max(denominators["ar_targets"], 1)

@@ -63,10 +63,12 @@ class TrainConfig:
     complementary: bool = False
     mask_mode: str = "bernoulli"
     aux_loss_coef: float | None = None
+    certainty_weight: float = 0.0
 
     def objective_config(self) -> ObjectiveConfig:
         return ObjectiveConfig(self.objective, self.ar_loss_weight, self.loss_weighting, self.complementary,
-                               self.mask_mode, aux_loss_coef=self.aux_loss_coef)
+                               self.mask_mode, aux_loss_coef=self.aux_loss_coef,
+                               certainty_weight=self.certainty_weight)
 
     def mix_weights(self) -> dict[str, float]:
         try:
@@ -187,6 +189,9 @@ def _metrics(sums: dict[str, float]) -> dict[str, float]:
     if sums.get("tokens"):
         out["diffusion_loss"] = sums["diffusion_loss_sum"] / sums["tokens"]
         out["masked_ce"] = sums["masked_ce_sum"] / max(sums["masked"], 1)
+    if "masked_right" in sums:   # certainty forcing: how often a masked token is guessed right, and how surely
+        out["masked_accuracy"] = sums["masked_right"] / max(sums["masked"], 1)
+        out["certainty_entropy"] = sums["certainty_entropy_sum"] / max(sums["masked_right"], 1)
     if "aux_sum" in sums and sums.get("rows"):
         out["aux_loss"] = sums["aux_sum"] / sums["rows"]
     return out
