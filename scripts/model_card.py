@@ -2,11 +2,11 @@
 
     python scripts/model_card.py RUNS_DIR MODEL_DIR [AGENT_REPORT_DIR] [SWEEP_JSON]
 
-RUNS_DIR holds the recipe's runs (ar/, diff/, sft/, distill/, sft2/, distill2/, sft3/, sft4/, times.jsonl) and the
-evaluation results of `scripts/evaluate_model.sh` (eval_*.json, bench_train.json); AGENT_REPORT_DIR (default
-reports/agent-clover-tiny) is `clover eval agent`'s output on the served model; SWEEP_JSON (default
-runs/sweep/sweep.json) is `benchmarks/sweep.py`'s. Every figure in the card is read from those files,
-and the card names the command that produced each; a missing file leaves its section out.
+RUNS_DIR holds the recipe's runs (ar/, diff/, sft/, distill/, sft2/, distill2/, sft3/, sft4/, sft5/,
+times.jsonl) and the evaluation results of `scripts/evaluate_model.sh` (eval_*.json, bench_train.json);
+AGENT_REPORT_DIR (default reports/agent-clover-tiny) is `clover eval agent`'s output on the served model;
+SWEEP_JSON (default runs/sweep/sweep.json) is `benchmarks/sweep.py`'s. Every figure in the card is read
+from those files, and the card names the command that produced each; a missing file leaves its section out.
 
 The card also writes MODEL_DIR/training_record.json: every stage's summary, the AR parent's scores, the
 sweep and the throughput table, i.e. what the card says about how the weights were made rather than
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-STAGES = ("ar", "diff", "sft", "distill", "sft2", "distill2", "sft3", "sft4")
+STAGES = ("ar", "diff", "sft", "distill", "sft2", "distill2", "sft3", "sft4", "sft5")
 
 
 def _log(run: Path) -> list[dict]:
@@ -153,7 +153,10 @@ def main() -> None:
         "   names are coined per conversation, then SFT with recall drills in the mix (`sft4`: 60% chat, 20%",
         "   random strings written twice, 15% code, 5% English), for copying from the context. No distillation",
         "   after them: it would teach the model its own outputs, wrong tool names included.",
-        "9. Release in bfloat16.", "",
+        "9. More recall drills (`sft5`: 45% chat, 35% recall drills, 15% code, 5% English, 600 steps) from the",
+        "   bfloat16 release of `sft4`; the agent failures were copying failures (a value or name from training",
+        "   written instead of the one in the conversation).",
+        "10. Release in bfloat16.", "",
         "| stage | steps | batch x length | tokens | training time (at its median rate) | final train loss | "
         "final validation loss |",
         "|---|---|---|---|---|---|---|",
@@ -166,8 +169,14 @@ def main() -> None:
     train_s = sum(s["seconds"] for s in stages.values())
     median_s = sum(s["seconds_at_median_rate"] for s in stages.values())
     if carried:
+        # the record's origin, then the origins of the records it was built on in turn
+        sources, level = [], base
+        while level:
+            if level.get("source") and level["source"] not in sources:
+                sources.append(level["source"])
+            level = level.get("base")
         lines += ["", f"\\* Here and below: from the training record (`training_record.json`: "
-                      f"{base.get('source', 'no source given')})."]
+                      f"{'; before that: '.join(sources) or 'no source given'})."]
     lines += ["", f"Training time, summed over the stages (the trainer's logs): {train_s / 60:.0f} minutes ({platform.machine()}, "
                   f"2 cores, torch {torch.__version__}, fp32); {median_s / 60:.0f} minutes at each stage's median "
                   "logged rate. The machine was shared with other work (tests, benchmarks) during parts of the "

@@ -35,6 +35,10 @@ def test_a_card_from_the_record_alone_marks_every_carried_figure_and_keeps_the_r
     assert set(_stage_rows(card)) == {f"{name} *" for name in record["stages"]}
     assert "## Training throughput *" in card and "## Shape sweep *" in card and "| AR parent * |" in card
     assert record["source"] in card
+    level = record   # and the origins of the records it was built on, down to the first
+    while level.get("base"):
+        level = level["base"]
+        assert level["source"] in card
     assert json.loads((model / "training_record.json").read_text()) == record   # the same, not nested
 
 
