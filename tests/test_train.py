@@ -106,7 +106,7 @@ def test_certainty_forcing_adds_the_entropy_of_right_guesses_and_training_lowers
         logits = m.lm_head(out.noisy[noises[0].masked]).float()
         right = logits.argmax(-1) == batch.ids[noises[0].masked]
         p = logits[right].softmax(-1)
-        return float(-(p * p.log()).sum()), int(right.sum())
+        return float(torch.special.entr(p).sum()), int(right.sum())
 
     with torch.no_grad():
         plain, _ = compute_loss(model, batch.ids, eligible, batch.lengths, base, noises, den)
@@ -115,6 +115,14 @@ def test_certainty_forcing_adds_the_entropy_of_right_guesses_and_training_lowers
     assert right > 0 and sums["masked_right"] == right
     assert sums["certainty_entropy_sum"] == pytest.approx(entropy, rel=1e-5)
     assert float(loss - plain) == pytest.approx(2.0 * entropy / den["tokens"], rel=1e-4)
+    both = sample_noise(eligible, 8, ObjectiveConfig("diffusion", complementary=True), torch.Generator().manual_seed(1))
+    with torch.no_grad():   # two noisy copies: the term is normalised by both copies' tokens, like the ELBO
+        plain2, _ = compute_loss(model, batch.ids, eligible, batch.lengths, ObjectiveConfig("diffusion", complementary=True),
+                                 both, den)
+        loss2, sums2 = compute_loss(model, batch.ids, eligible, batch.lengths,
+                                    ObjectiveConfig("diffusion", complementary=True, certainty_weight=2.0), both, den)
+    assert sums2["masked_right"] > 0
+    assert float(loss2 - plain2) == pytest.approx(2.0 * sums2["certainty_entropy_sum"] / (2 * den["tokens"]), rel=1e-4)
 
     import copy
 
@@ -132,6 +140,15 @@ def test_certainty_forcing_adds_the_entropy_of_right_guesses_and_training_lowers
     assert sharpened[2.0] < sharpened[0.0]
     with pytest.raises(ValueError):
         ObjectiveConfig("diffusion", certainty_weight=-1.0).validate()
+
+
+def test_certainty_weight_reaches_the_trainer_and_its_log(data_dir, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(data_dir, run, steps=2, eval_every=2, save_every=2, objective="diffusion", certainty_weight=1.0))
+    for kind in ("train", "eval"):
+        last = _records(run, kind)[-1]
+        assert 0 <= last["masked_accuracy"] <= 1 and last["certainty_entropy"] >= 0
+    assert json.loads((run / "train_config.json").read_text())["certainty_weight"] == 1.0
 
 
 def test_sft_masking_never_touches_prompt_tokens(data_dir):
