@@ -43,16 +43,17 @@ CODE = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "clas
         "def is_prime(n):\n    if n < 2:\n"]
 
 
-def _model(path: str | None, context: int | None) -> tuple[CloverForCausalLM, str]:
+def _model(path: str | None, context: int | None, dtype: str = "float32") -> tuple[CloverForCausalLM, str]:
     if context is None:
         try:
-            return load_checkpoint(path or default_model_dir(), dtype="float32"), str(path or default_model_dir())
+            return load_checkpoint(path or default_model_dir(), dtype=dtype), str(path or default_model_dir())
         except CheckpointError:
             if path:
                 raise
     torch.manual_seed(0)
     overrides = {} if context is None else {"max_position_embeddings": context}
-    return CloverForCausalLM(CloverConfig.preset("tiny", **overrides)).eval(), "tiny preset, random weights"
+    model = CloverForCausalLM(CloverConfig.preset("tiny", **overrides)).eval()
+    return model.to(getattr(torch, dtype)), "tiny preset, random weights"
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -139,11 +140,13 @@ def main() -> None:
                              "first), next to eager ar")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each condition, taking turns (the median is shown)")
     parser.add_argument("--quick", action="store_true", help="prompt 64, batch 1, block 32, the default threshold only")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="compute dtype of every decoder (and of transformers' twin)")
     args = parser.parse_args()
     if args.quick:
         args.prompt_lengths, args.batches, args.block_sizes = "64", "1", "32"
         args.thresholds = str(SamplingParams().threshold)
-    model, source = _model(args.model, args.context)
+    model, source = _model(args.model, args.context, args.dtype)
     tokenizer = None
     if source != "tiny preset, random weights":
         try:
@@ -153,7 +156,7 @@ def main() -> None:
     ref = None if args.no_transformers else transformers_twin(model)
     conditions = {
         "date": datetime.date.today().isoformat(), "machine": platform.machine(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "device": "cpu", "dtype": "float32", "model": source,
+        "threads": torch.get_num_threads(), "device": "cpu", "dtype": args.dtype, "model": source,
         "parameters": model.config.num_parameters()[0], "new_tokens": args.new_tokens, "greedy": True,
         "ignore_eos": "random and code prompts", "context": model.config.max_position_embeddings,
         "max_prefill_tokens": args.max_prefill_tokens, "queue": args.queue, "compiled": args.compile, "repeats": args.repeats,

@@ -11,6 +11,7 @@ step on the same weights; it has no preview mode. Medians over repeats, same pro
 Prints its conditions, a table, and one JSON line last.
 
     python benchmarks/forward.py [--presets tiny,small] [--prompt 512] [--repeats 5] [--compile]
+                                 [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ CHECK_WIDTHS = (2, 5, 9)   # `verify` checks of 1, 4 and 8 drafts after the pend
 
 
 @torch.inference_mode()
-def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compiled: bool = False) -> dict:
+def bench_preset(preset: str, prompt_len: int, blocks: int, repeats: int, compiled: bool = False,
+                 dtype: torch.dtype = torch.float32) -> dict:
     config = CloverConfig.preset(preset)
     torch.manual_seed(0)
-    model = CloverForCausalLM(config).eval()
+    model = CloverForCausalLM(config).eval().to(dtype)
     b = config.block_size
     ids = torch.randint(0, config.vocab_size - 2, (1, prompt_len + blocks * b + 1))
     prompt, mask_block = ids[:, :prompt_len], torch.full((1, b), config.mask_token_id)
@@ -179,6 +181,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4, help="block commits timed per repeat")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="also time the AR step and the preview compiled (compile_decode)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and compute dtype (ours and transformers')")
     args = parser.parse_args()
     try:
         import transformers
@@ -188,10 +192,11 @@ def main() -> None:
     conditions = {
         "date": datetime.date.today().isoformat(), "machine": platform.machine(), "processor": platform.processor(),
         "torch": torch.__version__, "transformers": tf_version, "threads": torch.get_num_threads(),
-        "device": "cpu", "dtype": "float32", "batch": 1, "prompt_tokens": args.prompt, "repeats": args.repeats,
+        "device": "cpu", "dtype": args.dtype, "batch": 1, "prompt_tokens": args.prompt, "repeats": args.repeats,
     }
     print("conditions:", json.dumps(conditions))
-    results = [bench_preset(p, args.prompt, args.blocks, args.repeats, args.compile) for p in args.presets.split(",")]
+    results = [bench_preset(p, args.prompt, args.blocks, args.repeats, args.compile, getattr(torch, args.dtype))
+               for p in args.presets.split(",")]
     for r in results:
         print(f"\n{r['preset']} ({r['parameters_total'] / 1e6:.1f}M parameters)")
         for key in ("prefill_ms_per_token", "preview_ms", "preview_half_ms", "preview_half_masked_only_ms",

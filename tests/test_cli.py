@@ -155,3 +155,19 @@ def test_eval_tasks_reuses_kept_task_runs_only_for_the_same_weights_and_settings
     (runs / "thinking-off").mkdir()
     _fresh_unless_same(runs, {**same, "weights_sha256": _weights_digest(str(model)), "count": 40})  # other settings
     assert not (runs / "thinking-off").exists()
+
+
+def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monkeypatch):
+    """`clover eval --dtype`: the evaluation gets the weights in that dtype (as `clover generate --dtype`
+    would serve them) and the report says which; float32 by default."""
+    from clover.training import scores
+
+    seen = []
+    monkeypatch.setattr(scores, "copy_accuracy", lambda model, *a, **k: seen.append(model.dtype) or {"results": {}})
+    monkeypatch.setattr(scores, "repeat_accuracy", lambda model, *a, **k: {})
+    model = str(tmp_path / "m")
+    assert cli_main(["init", model, "--preset", "debug"]) == 0
+    for extra, dtype in (([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16), (["--dtype", "auto"], torch.float32)):
+        capsys.readouterr()
+        assert cli_main(["eval", "copy", "--model", model, *extra]) == 0
+        assert seen.pop() == dtype and json.loads(capsys.readouterr().out)["dtype"] == str(dtype).removeprefix("torch.")

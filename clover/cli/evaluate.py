@@ -53,7 +53,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from clover.model.checkpoint import load_for_generation
     from clover.training import scores
 
-    loaded = load_for_generation(args.model, "float32", "cpu")
+    loaded = load_for_generation(args.model, args.dtype, "cpu")
     model, tok = loaded.model, loaded.tokenizer
     if args.eval_command == "bpb":
         result = {"evaluation": "bits_per_byte", "results": [
@@ -73,6 +73,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         result = {"evaluation": "agent_tasks", "runs": _eval_tasks(args, loaded)}
     result["model"] = str(args.model or "shipped")
+    result["dtype"] = str(model.dtype).removeprefix("torch.")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     summary = {k: v for k, v in result.items() if k != "runs"}
@@ -196,6 +197,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         e = esub.add_parser(name, help=helptext, description=helptext + ".")
         e.add_argument("--model", help="checkpoint (default: the shipped model)")
         e.add_argument("--out", help="write the full result as JSON here")
+        e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                       help="compute dtype, as `clover generate --dtype` (default float32; auto: as stored)")
         if name not in ("tasks", "copy", "turns"):
             e.add_argument("--data", required=True, help="directory from `clover data build`")
         if name == "bpb":

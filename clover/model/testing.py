@@ -34,11 +34,12 @@ def transformers_config(config: CloverConfig) -> object:
 
 
 def transformers_twin(model: CloverForCausalLM) -> object | None:
-    """transformers' Qwen3_5MoeForCausalLM with the same backbone weights, or None without transformers."""
+    """transformers' Qwen3_5MoeForCausalLM with the same backbone weights (and dtype), or None without
+    transformers."""
     try:
         import transformers
     except ImportError:
         return None
     twin = transformers.Qwen3_5MoeForCausalLM(transformers_config(model.config)).eval()
     twin.load_state_dict(model.state_dict(), strict=False)
-    return twin
+    return twin.to(model.lm_head.weight.dtype)
