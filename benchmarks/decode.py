@@ -30,7 +30,7 @@ import torch
 from clover.engine.engine import Engine
 from clover.engine.policies import VerifyPolicy
 from clover.engine.sampling import SamplingParams
-from clover.model.checkpoint import CheckpointError, default_model_dir, load_checkpoint
+from clover.model.checkpoint import CheckpointError, default_model_dir, load_checkpoint, resolve_dtype
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.testing import transformers_twin
@@ -53,7 +53,7 @@ def _model(path: str | None, context: int | None, dtype: str = "float32") -> tup
     torch.manual_seed(0)
     overrides = {} if context is None else {"max_position_embeddings": context}
     model = CloverForCausalLM(CloverConfig.preset("tiny", **overrides)).eval()
-    return model.to(getattr(torch, dtype)), "tiny preset, random weights"
+    return model.to(resolve_dtype(dtype)), "tiny preset, random weights"
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from clover.model.checkpoint import resolve_dtype
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.testing import transformers_twin
@@ -195,7 +196,7 @@ def main() -> None:
         "device": "cpu", "dtype": args.dtype, "batch": 1, "prompt_tokens": args.prompt, "repeats": args.repeats,
     }
     print("conditions:", json.dumps(conditions))
-    results = [bench_preset(p, args.prompt, args.blocks, args.repeats, args.compile, getattr(torch, args.dtype))
+    results = [bench_preset(p, args.prompt, args.blocks, args.repeats, args.compile, resolve_dtype(args.dtype))
                for p in args.presets.split(",")]
     for r in results:
         print(f"\n{r['preset']} ({r['parameters_total'] / 1e6:.1f}M parameters)")

@@ -42,4 +42,4 @@ def transformers_twin(model: CloverForCausalLM) -> object | None:
         return None
     twin = transformers.Qwen3_5MoeForCausalLM(transformers_config(model.config)).eval()
     twin.load_state_dict(model.state_dict(), strict=False)
-    return twin.to(model.lm_head.weight.dtype)
+    return twin.to(model.dtype)
