@@ -22,7 +22,9 @@ from fastapi import FastAPI
 def serve_in_thread(app: FastAPI, timeout_s: float = 30.0) -> Iterator[str]:
     """Run `app` on 127.0.0.1 (a port the OS picks) until the block ends; yields the base URL
     (`http://127.0.0.1:PORT`, without `/v1`). The server shuts down gracefully on exit."""
-    sock = socket.socket()
+    # IPPROTO_TCP named explicitly: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose proto
+    # is TCP, and socket.socket() leaves it 0; with Nagle on, each response waited ~40 ms for a delayed ACK
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30))
