@@ -239,3 +239,11 @@ def test_the_batchs_plain_argmax_equals_the_pick_one_by_one_and_leaves_the_rest_
     for i in (0, 1, 7):
         want = pick_tokens(engine.mask_out(logits[i: i + 1]), plain, torch.zeros(v), None)[0]
         assert picks[i] == int(want[0])
+    # a check's positions [N,T,V]: T picks per plain row; a lazy grammar (waiting for its trigger, which
+    # the drafts may hold) now leaves the row to the one-by-one check as well
+    seqs[0].pending = object()
+    several = torch.stack([logits, logits.roll(1, dims=0), logits.roll(2, dims=0)], dim=1)   # [10,3,V]
+    rows = engine.greedy_picks(seqs, several)    # several[i, t] = logits[i - t]
+    assert rows[0] is None and rows[2:7] == [None] * 5 and rows[8] is None and rows[9] is None
+    assert rows[1] == [5, picks[0], int(engine.mask_out(logits[9]).argmax())]
+    assert rows[7] == [picks[7], int(engine.mask_out(logits[6]).argmax()), int(engine.mask_out(logits[5]).argmax())]

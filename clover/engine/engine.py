@@ -390,19 +390,25 @@ class Engine:
             out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
         return out.to(self.model.device)
 
-    def greedy_picks(self, seqs: list[SequenceState], logits: torch.Tensor) -> list[int | None]:
+    def greedy_picks(self, seqs: list[SequenceState], logits: torch.Tensor) -> list:
         """The causal head's pick for each row of logits [N,V] (row i: the next token of seqs[i]) where that
         pick is a plain argmax, for all such rows in one reduction: greedy, no penalties or logit bias, no
         grammar, no stop token held back (min_tokens), no logprobs asked for. None for the other rows, and
         for a row whose maximum is not finite: the policy picks those one by one (`pick_tokens`, which
-        gives the same token for the plain rows)."""
+        gives the same token for the plain rows). Logits [N,T,V] (the positions of a `verify` check): a
+        list of T picks per plain row, where no grammar waits for its trigger either (the drafts may hold
+        the trigger, and the rows after it would need the grammar's masks)."""
+        several = logits.dim() == 3
         plain = [i for i, s in enumerate(seqs) if s.params.greedy and not has_penalties(s.params)
                  and not s.params.logit_bias and s.matcher is None and s.params.logprobs is None
-                 and len(s.generated) >= s.params.min_tokens]
-        picks: list[int | None] = [None] * len(seqs)
+                 and len(s.generated) >= s.params.min_tokens and not (several and s.pending is not None)]
+        picks: list = [None] * len(seqs)
         if plain:
             best, tokens = self.mask_out(logits[plain]).max(dim=-1)
-            for i, t, ok in zip(plain, tokens.tolist(), torch.isfinite(best).tolist(), strict=True):
+            finite = torch.isfinite(best)
+            if several:
+                finite = finite.all(dim=-1)
+            for i, t, ok in zip(plain, tokens.tolist(), finite.tolist(), strict=True):
                 picks[i] = t if ok else None
         return picks
 

@@ -510,6 +510,7 @@ class VerifyPolicy(_Blocks):
             ids = torch.cat([ids, ids.new_zeros(n, width - ids.shape[1])], dim=1)
             logits, trail = engine.forward(seqs, "check", ids, lengths)
             key = (chosen, n) if width == 1 + chosen else None
+            picks = engine.greedy_picks(seqs, logits)        # per plain row, the argmax of every position
         counts = [0] * len(seqs)
         for i, s in enumerate(seqs):
             p, m = pending[i], drafted[i]
@@ -517,11 +518,13 @@ class VerifyPolicy(_Blocks):
             s.stats.draft_checks += int(m > 0)
             with engine.isolated(s, events):
                 preds = logits[i, p - 1: p + m]              # row t predicts the slot after it
+                pick = picks[i] if trail is None or picks[i] is None else picks[i][p - 1: p + m]
                 if s.verified + m == len(s.block):
                     s.carry = preds[m].clone()               # the next block's first slot
                     preds = preds[:m]
+                    pick = pick if trail is None or pick is None else pick[:m]
                 # (a block of one slot is full before its first check: the forward only commits)
-                counts[i] = p + (self._check(engine, s, preds, m, events, picks[i], sources[i]) if len(preds) else 0)
+                counts[i] = p + (self._check(engine, s, preds, m, events, pick, sources[i]) if len(preds) else 0)
             if s.finish_reason is not None:
                 counts[i] = 0                                # its row is freed
         if trail is not None:
@@ -725,11 +728,12 @@ class VerifyPolicy(_Blocks):
             s.draft_probs[masked] = probs
 
     def _check(self, engine: Engine, s: SequenceState, preds: torch.Tensor, m: int, events: list[Event],
-               pick: int | None = None, looked: torch.Tensor | None = None) -> int:
+               pick: int | list[int] | None = None, looked: torch.Tensor | None = None) -> int:
         """Keep the drafts of slots j .. j+m-1 that the causal head agrees with (j: the first unverified
         slot), given the causal logits `preds` [m or m+1, V] that predict slots j .. When all are kept and
-        a row predicts slot j+m, the causal head's own token for it follows (`pick`: that token when m = 0,
-        the batch's plain argmax from `engine.greedy_picks`). The drafts are the preview's, or `looked`,
+        a row predicts slot j+m, the causal head's own token for it follows. `pick`, where
+        `engine.greedy_picks` found the batch's plain argmax: that token (m = 0, an `ar` step) or the argmax
+        of each row of `preds` (a check), which decide as `verify_drafts` would. The drafts are the preview's, or `looked`,
         drafts from the context for slots j .. (a block without a preview). Returns the drafts kept."""
         j = s.verified
         end = j + m
@@ -737,9 +741,15 @@ class VerifyPolicy(_Blocks):
         drafts = offered[:m]
         probs = None if s.draft_probs is None else s.draft_probs[j:end]
         raw = None
-        if pick is not None:
+        if isinstance(pick, int):
             tokens, kept = [pick], 0
             s.counts[pick] += 1
+        elif pick is not None:                       # the batch's plain argmax at each row: the greedy check
+            listed = drafts.tolist()
+            kept = next((r for r, t in enumerate(listed) if pick[r] != t), m)
+            tokens = listed[:kept] + pick[kept: kept + 1]
+            s.counts.index_add_(0, torch.tensor(tokens, device=s.counts.device),
+                                torch.ones(len(tokens), device=s.counts.device))
         else:
             preds = raw = engine.mask_out(preds)
             grammar = s.matcher if s.matcher is not None else s.pending
