@@ -247,3 +247,33 @@ def test_the_batchs_plain_argmax_equals_the_pick_one_by_one_and_leaves_the_rest_
     assert rows[0] is None and rows[2:7] == [None] * 5 and rows[8] is None and rows[9] is None
     assert rows[1] == [5, picks[0], int(engine.mask_out(logits[9]).argmax())]
     assert rows[7] == [picks[7], int(engine.mask_out(logits[6]).argmax()), int(engine.mask_out(logits[5]).argmax())]
+
+
+def test_the_batchs_confident_picks_equal_pick_tokens_slot_by_slot():
+    """`Engine.confident_picks` (a `low_confidence` step's plain greedy sequences in one reduction): the
+    tokens and confidences `pick_tokens` gives for each sequence's unresolved slots, bit for bit; None for
+    the sequences it leaves to `pick_tokens` (sampling, a grammar, no slot, a maximum that is not finite)."""
+    import math
+
+    import torch
+
+    from clover.engine.sampling import pick_tokens
+    from clover.engine.sequence import SequenceState
+
+    engine = Engine(ScriptedModel())
+    v, mask = engine.config.vocab_size, engine.config.mask_token_id
+    logits = torch.randn(5, 6, v, generator=torch.Generator().manual_seed(1)) * 4
+    logits[0, 2, mask] = 60.0                # the mask token is never picked
+    logits[1, 3, 9] = logits[1, 3, 11] = 50.0  # equal maxima: the first
+    logits[4, 1, 0] = math.nan
+    plain = SamplingParams(max_new_tokens=8)
+    params = [plain, plain, plain.with_(temperature=0.5, seed=3), plain, plain]
+    seqs = [SequenceState(f"r{i}", [1], p, 6, torch.Generator(), torch.zeros(v), 0.0) for i, p in enumerate(params)]
+    slots = [torch.tensor([0, 2, 5]), torch.tensor([3]), torch.tensor([1, 2]), torch.tensor([], dtype=torch.long),
+             torch.tensor([1, 4])]
+    out = engine.confident_picks(seqs, logits, slots)
+    assert out[2:] == [None, None, None]
+    for i in (0, 1):
+        want_tokens, want_conf = pick_tokens(engine.mask_out(logits[i, slots[i]]), plain, torch.zeros(v), None)
+        assert torch.equal(out[i][0], want_tokens) and torch.equal(out[i][1], want_conf)
+    assert int(out[0][0][1]) != mask and int(out[1][0][0]) == 9

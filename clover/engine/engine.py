@@ -399,9 +399,7 @@ class Engine:
         list of T picks per plain row, where no grammar waits for its trigger either (the drafts may hold
         the trigger, and the rows after it would need the grammar's masks)."""
         several = logits.dim() == 3
-        plain = [i for i, s in enumerate(seqs) if s.params.greedy and not has_penalties(s.params)
-                 and not s.params.logit_bias and s.matcher is None and s.params.logprobs is None
-                 and len(s.generated) >= s.params.min_tokens and not (several and s.pending is not None)]
+        plain = [i for i, s in enumerate(seqs) if self.plain_greedy(s) and not (several and s.pending is not None)]
         picks: list = [None] * len(seqs)
         if plain:
             best, tokens = self.mask_out(logits[plain]).max(dim=-1)
@@ -411,6 +409,38 @@ class Engine:
             for i, t, ok in zip(plain, tokens.tolist(), finite.tolist(), strict=True):
                 picks[i] = t if ok else None
         return picks
+
+    @staticmethod
+    def plain_greedy(s: SequenceState) -> bool:
+        """Whether s's next picks are a plain argmax of the causal or preview logits (the mask token
+        excluded): greedy, no penalties or logit bias, no grammar started, no stop token held back
+        (min_tokens), no logprobs asked for."""
+        p = s.params
+        return (p.greedy and not has_penalties(p) and not p.logit_bias and s.matcher is None and p.logprobs is None
+                and len(s.generated) >= p.min_tokens)
+
+    def confident_picks(self, seqs: list[SequenceState], logits: torch.Tensor,
+                        slots: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """`pick_tokens` with confidences for the plain greedy sequences (`plain_greedy`) of a preview, all
+        in one reduction: for seqs[i], the argmax of logits[i, slots[i]] (the mask token excluded) and its
+        probability, as (tokens [M], confidence [M]). None for the other sequences, and for one with a row
+        whose maximum is not finite (its own `pick_tokens` then says so)."""
+        plain = [i for i, s in enumerate(seqs) if self.plain_greedy(s) and len(slots[i])]
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(seqs)
+        if not plain:
+            return out
+        which = torch.cat([torch.full_like(slots[i], i) for i in plain])
+        scores = self.mask_out(logits[which, torch.cat([slots[i] for i in plain])])     # [M,V], every slot
+        best, tokens = scores.max(dim=-1)
+        conf = torch.softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        finite = torch.isfinite(best)
+        start = 0
+        for i in plain:
+            end = start + len(slots[i])
+            if bool(finite[start:end].all()):
+                out[i] = tokens[start:end], conf[start:end]
+            start = end
+        return out
 
     def mask_out(self, logits: torch.Tensor) -> torch.Tensor:
         """The mask token is never an output."""

@@ -176,10 +176,12 @@ class LowConfidence(_Blocks):
         if open_:
             logits = engine.forward(open_, "preview", engine.pad([s.block for s in open_], engine.config.mask_token_id),
                                     [len(s.block) for s in open_], masked_only=True)
-            for s, lg in zip(open_, logits, strict=True):
+            slots = [(~s.resolved).nonzero().squeeze(-1) for s in open_]
+            picks = engine.confident_picks(open_, logits, slots)    # the plain greedy ones, in one reduction
+            for s, lg, masked, pick in zip(open_, logits, slots, picks, strict=True):
                 s.stats.preview_forwards += 1
                 with engine.isolated(s, events):
-                    self._accept(engine, s, lg[: len(s.block)])
+                    self._accept(engine, s, lg[: len(s.block)], masked, pick)
         self._complete(engine, self._resolved(engine, seqs, events), events)
 
     def after_preview(self, engine: Engine, s: SequenceState, logits: torch.Tensor, carry: torch.Tensor | None,
@@ -236,17 +238,23 @@ class LowConfidence(_Blocks):
         if go_on:
             self.commit(engine, go_on, events)
 
-    def _accept(self, engine: Engine, s: SequenceState, logits: torch.Tensor) -> None:
-        """One denoising step on s.block given its preview logits [S,V]."""
+    def _accept(self, engine: Engine, s: SequenceState, logits: torch.Tensor, masked: torch.Tensor | None = None,
+                pick: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One denoising step on s.block given its preview logits [S,V]. `masked`: its unresolved slots;
+        `pick`: their tokens and confidences from `engine.confident_picks` (the batch's plain greedy ones)."""
         s.step += 1
         p = s.params
         if s.matcher is not None:
             self._accept_in_order(engine, s, logits)
             return
-        masked = (~s.resolved).nonzero().squeeze(-1)                            # [M]
-        # slot k holds response position len(generated) + k - fixed
-        rows = engine.hold_stops(s, engine.mask_out(logits[masked]), len(s.generated) + masked.cpu() - s.fixed)
-        tokens, conf = pick_tokens(rows, p, s.counts, s.generator)
+        if masked is None:
+            masked = (~s.resolved).nonzero().squeeze(-1)                        # [M]
+        if pick is not None:
+            tokens, conf = pick
+        else:
+            # slot k holds response position len(generated) + k - fixed
+            rows = engine.hold_stops(s, engine.mask_out(logits[masked]), len(s.generated) + masked.cpu() - s.fixed)
+            tokens, conf = pick_tokens(rows, p, s.counts, s.generator)
         accept = conf >= p.threshold
         if not bool(accept.any()):
             accept[conf.argmax()] = True
