@@ -429,17 +429,18 @@ class Engine:
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(seqs)
         if not plain:
             return out
-        which = torch.cat([torch.full_like(slots[i], i) for i in plain])
-        scores = self.mask_out(logits[which, torch.cat([slots[i] for i in plain])])     # [M,V], every slot
+        sizes = [len(slots[i]) for i in plain]
+        which = torch.repeat_interleave(torch.tensor(plain, device=logits.device),
+                                        torch.tensor(sizes, device=logits.device))
+        # [M,V], every slot: advanced indexing copies, so the mask token is excluded in place (`mask_out`)
+        scores = logits[which, torch.cat([slots[i] for i in plain])].float()
+        scores[:, self.config.mask_token_id] = float("-inf")
         best, tokens = scores.max(dim=-1)
         conf = torch.softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-        finite = torch.isfinite(best)
-        start = 0
-        for i in plain:
-            end = start + len(slots[i])
-            if bool(finite[start:end].all()):
-                out[i] = tokens[start:end], conf[start:end]
-            start = end
+        ok = [bool(f.all()) for f in torch.isfinite(best).split(sizes)]
+        for i, t, c, good in zip(plain, tokens.split(sizes), conf.split(sizes), ok, strict=True):
+            if good:
+                out[i] = t, c
         return out
 
     def mask_out(self, logits: torch.Tensor) -> torch.Tensor:
