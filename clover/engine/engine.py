@@ -402,7 +402,9 @@ class Engine:
         plain = [i for i, s in enumerate(seqs) if self.plain_greedy(s) and not (several and s.pending is not None)]
         picks: list = [None] * len(seqs)
         if plain:
-            best, tokens = self.mask_out(logits[plain]).max(dim=-1)
+            scores = logits[plain].float()     # advanced indexing copies: the mask token excluded in place
+            scores[..., self.config.mask_token_id] = float("-inf")
+            best, tokens = scores.max(dim=-1)
             finite = torch.isfinite(best)
             if several:
                 finite = finite.all(dim=-1)
