@@ -588,3 +588,36 @@ def test_a_stream_cut_by_shutdown_gets_a_final_error_event():
         events += [x for x in lines if x]
     last = json.loads(events[-1][6:])
     assert last["error"]["code"] == "server_shutting_down" and "grace" in last["error"]["message"]
+
+
+def test_the_in_process_server_answers_without_nagles_delay():
+    """serve_in_thread's connections have Nagle's algorithm off (TCP_NODELAY), as `clover serve`'s have:
+    with it on, each response's second small write waited ~40 ms for the client's delayed ACK."""
+    import gc
+    import http.client
+
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/ping")
+    def ping() -> dict:
+        return {"ok": True}
+
+    with serve_in_thread(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        client = http.client.HTTPConnection("127.0.0.1", port)
+        client.request("GET", "/ping")
+        assert json.loads(client.getresponse().read()) == {"ok": True}
+        ours = client.sock.getsockname()
+        served = []
+        for obj in gc.get_objects():
+            if isinstance(obj, socket.socket) and obj.family == socket.AF_INET and obj.fileno() != -1 \
+                    and obj is not client.sock:
+                try:
+                    if obj.getsockname()[1] == port and obj.getpeername() == ours:
+                        served.append(obj)
+                except OSError:   # a listening or closed socket has no peer
+                    pass
+        assert served and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in served)
+        client.close()
