@@ -390,7 +390,7 @@ class Engine:
             out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
         return out.to(self.model.device)
 
-    def greedy_picks(self, seqs: list[SequenceState], logits: torch.Tensor) -> list:
+    def greedy_picks(self, seqs: list[SequenceState], logits: torch.Tensor) -> list[int | list[int] | None]:
         """The causal head's pick for each row of logits [N,V] (row i: the next token of seqs[i]) where that
         pick is a plain argmax, for all such rows in one reduction: greedy, no penalties or logit bias, no
         grammar, no stop token held back (min_tokens), no logprobs asked for. None for the other rows, and
@@ -400,7 +400,7 @@ class Engine:
         the trigger, and the rows after it would need the grammar's masks)."""
         several = logits.dim() == 3
         plain = [i for i, s in enumerate(seqs) if self.plain_greedy(s) and not (several and s.pending is not None)]
-        picks: list = [None] * len(seqs)
+        picks: list[int | list[int] | None] = [None] * len(seqs)
         if plain:
             scores = logits[plain].float()     # advanced indexing copies: the mask token excluded in place
             scores[..., self.config.mask_token_id] = float("-inf")
