@@ -1,6 +1,9 @@
 """Fuzzing the OpenAI endpoints (issue 15): random request bodies -- valid fields with values of every JSON
 type and edge numbers, junk fields, malformed messages, tools and formats -- never get a 5xx; each answer is
-JSON with either choices or an OpenAI-shaped error. Bounded and derandomized (the same examples every run)."""
+JSON with either choices or an OpenAI-shaped error. Bounded and derandomized: the same examples every run of
+the same selection of tests (hypothesis also draws constants from the project's modules that are loaded, so
+this file alone draws other examples than the whole suite, where more of them are: 48 against 64 answered
+completions of 150 on 2026-12-03)."""
 
 import json
 
