@@ -611,8 +611,8 @@ def test_the_in_process_server_answers_without_nagles_delay():
         assert json.loads(client.getresponse().read()) == {"ok": True}
         ours = client.sock.getsockname()
         served = []
-        for obj in gc.get_objects():
-            if isinstance(obj, socket.socket) and obj.family == socket.AF_INET and obj.fileno() != -1 \
+        for obj in gc.get_objects():   # type(), not isinstance(): that would touch dead weak proxies among them
+            if type(obj) is socket.socket and obj.family == socket.AF_INET and obj.fileno() != -1 \
                     and obj is not client.sock:
                 try:
                     if obj.getsockname()[1] == port and obj.getpeername() == ours:
