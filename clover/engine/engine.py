@@ -402,9 +402,7 @@ class Engine:
         plain = [i for i, s in enumerate(seqs) if self.plain_greedy(s) and not (several and s.pending is not None)]
         picks: list[int | list[int] | None] = [None] * len(seqs)
         if plain:
-            scores = logits[plain].float()     # advanced indexing copies: the mask token excluded in place
-            scores[..., self.config.mask_token_id] = float("-inf")
-            best, tokens = scores.max(dim=-1)
+            best, tokens = self.mask_out(logits[plain], copied=True).max(dim=-1)
             finite = torch.isfinite(best)
             if several:
                 finite = finite.all(dim=-1)
@@ -434,9 +432,7 @@ class Engine:
         sizes = [len(slots[i]) for i in plain]
         which = torch.repeat_interleave(torch.tensor(plain, device=logits.device),
                                         torch.tensor(sizes, device=logits.device))
-        # [M,V], every slot: advanced indexing copies, so the mask token is excluded in place (`mask_out`)
-        scores = logits[which, torch.cat([slots[i] for i in plain])].float()
-        scores[:, self.config.mask_token_id] = float("-inf")
+        scores = self.mask_out(logits[which, torch.cat([slots[i] for i in plain])], copied=True)   # [M,V]
         best, tokens = scores.max(dim=-1)
         conf = torch.softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         ok = [bool(f.all()) for f in torch.isfinite(best).split(sizes)]
@@ -445,9 +441,10 @@ class Engine:
                 out[i] = t, c
         return out
 
-    def mask_out(self, logits: torch.Tensor) -> torch.Tensor:
-        """The mask token is never an output."""
-        logits = logits.float().clone()
+    def mask_out(self, logits: torch.Tensor, copied: bool = False) -> torch.Tensor:
+        """The mask token is never an output: fp32 logits with it at -inf, in one copy of `logits`, or none
+        where `copied` says they are a copy already (advanced indexing), which is then changed in place."""
+        logits = logits.float() if copied else logits.to(torch.float32, copy=True)
         logits[..., self.config.mask_token_id] = float("-inf")
         return logits
 

@@ -526,11 +526,10 @@ class VerifyPolicy(_Blocks):
             s.stats.draft_checks += int(m > 0)
             with engine.isolated(s, events):
                 preds = logits[i, p - 1: p + m]              # row t predicts the slot after it
-                pick = picks[i] if trail is None or picks[i] is None else picks[i][p - 1: p + m]
                 if s.verified + m == len(s.block):
                     s.carry = preds[m].clone()               # the next block's first slot
                     preds = preds[:m]
-                    pick = pick if trail is None or pick is None else pick[:m]
+                pick = picks[i][p - 1: p - 1 + len(preds)] if isinstance(picks[i], list) else picks[i]
                 # (a block of one slot is full before its first check: the forward only commits)
                 counts[i] = p + (self._check(engine, s, preds, m, events, pick, sources[i]) if len(preds) else 0)
             if s.finish_reason is not None:
