@@ -48,9 +48,6 @@ def row_losses(model: CloverForCausalLM, ids: torch.Tensor) -> tuple[torch.Tenso
 
 
 def probe(layout: str, seed: int, args: argparse.Namespace) -> dict:
-    unknown = set(layout) - set(LETTERS)
-    if unknown:
-        raise SystemExit(f"layout {layout!r}: letters must be L (Gated DeltaNet) or F (full attention)")
     cfg = CloverConfig.preset(args.preset, layer_types=[LETTERS[c] for c in layout], num_hidden_layers=len(layout))
     if 100 + args.vocab > cfg.vocab_size:
         raise SystemExit(f"--vocab {args.vocab} does not fit the preset's vocabulary ({cfg.vocab_size})")
@@ -100,12 +97,15 @@ def main() -> None:
     print(f"copy probe: preset {args.preset}, rows SEP x SEP x with |x| = {args.length} from {args.vocab} tokens, "
           f"batch {args.batch}, AdamW lr {args.lr} constant, at most {args.steps} steps, seeds {args.seeds}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    seeds = [int(s) for s in args.seeds.split(",")]
-    results = [probe(layout, seed, args) for layout in args.layouts.split(",") for seed in seeds]
+    layouts, seeds = args.layouts.split(","), [int(s) for s in args.seeds.split(",")]
+    for layout in layouts:   # all checked before the first one trains
+        if not layout or set(layout) - set(LETTERS):
+            raise SystemExit(f"layout {layout!r}: letters must be L (Gated DeltaNet) or F (full attention)")
+    results = [probe(layout, seed, args) for layout in layouts for seed in seeds]
     print(f"\n| layout | seeds passing {args.pass_at:.0%} copy accuracy | step it passed, per seed | final accuracy, per seed "
           f"| tokens/s |")
     print("|---|---|---|---|---|")
-    for layout in args.layouts.split(","):
+    for layout in layouts:
         rs = [r for r in results if r["layout"] == layout]
         at = ", ".join(str(r["passed_at_step"]) if r["passed_at_step"] is not None else "-" for r in rs)
         final = ", ".join(f"{r['final']['copy_accuracy']:.2f}" for r in rs)
