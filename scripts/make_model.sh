@@ -62,6 +62,8 @@ if [ ! -f "$DATA/tokens/counts.json" ]; then
   timed "data build" "$BIN/clover" data build --out "$DATA" --vocab-size 8192 --chat-train 40000
 fi
 stage "AR pretraining"
+# from random weights with the GDN output gates opened (`clover train --gdn-gate-z`, default 2: 4-5% lower bits
+# per byte after 400 steps, docs/measurements.md, session 23); the shipped weights were built before, at 0
 train "$RUNS/ar" --data "$DATA" --init "preset:$PRESET" --objective ar --steps "$AR_STEPS" --batch-size 8 \
   --seq-len 512 --lr 3e-3 --warmup 100 --mix "$MIX" --pack --eval-every 300 --save-every 50
 stage "convert the AR parent into a block-diffusion model"

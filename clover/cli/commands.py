@@ -66,6 +66,7 @@ def cmd_init(args: argparse.Namespace) -> int:
             "mask_token_id": tokenizer.mask_token_id, "eos_token_id": tokenizer.eos_token_ids})
     torch.manual_seed(args.seed)
     model = CloverForCausalLM(config)
+    model.open_gdn_gates(args.gdn_gate_z)
     save_checkpoint(model, args.directory, dtype=args.dtype, extra_files=tokenizer.files() if tokenizer else None)
     with_tok = f", tokenizer of {tokenizer.vocab_size} tokens" if tokenizer else ", no tokenizer"
     print(f"wrote {args.directory}: preset {args.preset}, {_human(total)} parameters, random weights "
@@ -135,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--override", help='JSON object of config fields to change, e.g. \'{"block_size": 16}\'')
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gdn-gate-z", type=float, default=2.0,
+                   help="open the GDN output gates to silu(z) at this mean z (0: the transformers-style init)")
     p.add_argument("--force", action="store_true", help="allow presets over 2B parameters")
     p.add_argument("--tokenizer", metavar="DIR", help="copy the tokenizer of this directory")
     p.add_argument("--no-tokenizer", action="store_true",

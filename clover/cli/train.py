@@ -135,6 +135,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
         elif f.name == "aux_loss_coef":
             p.add_argument(flag, type=float, help="router load-balancing weight (default: the model config's)")
+        elif f.name == "gdn_gate_z":
+            p.add_argument(flag, type=float, help="with --init preset:NAME: open the GDN output gates of the random "
+                                                  "weights to silu(z) at this mean z (default 2.0; 0: the "
+                                                  "transformers-style init, whose gates start as noise)")
         elif f.name == "certainty_weight":
             p.add_argument(flag, type=float, help="diffusion: weight of the entropy at masked positions the noisy "
                                                   "stream guesses right, so right guesses grow confident enough to "

@@ -39,6 +39,7 @@ class TrainConfig:
     data: str                                  # data directory (from `clover data build`)
     out: str                                   # run directory
     init: str = "preset:tiny"                  # "preset:NAME" (random weights) or a checkpoint directory
+    gdn_gate_z: float = 2.0                    # preset init only: GDN output gates opened to this mean z (0: off)
     objective: str = "ar"                      # "ar" or "diffusion"
     sft: bool = False                          # score (and noise) assistant tokens only
     pack: bool = False                         # fill chat rows with several conversations
@@ -137,7 +138,9 @@ def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the preset only {config.vocab_size}")
         torch.manual_seed(cfg.seed)
-        return CloverForCausalLM(config).to(device)
+        model = CloverForCausalLM(config)
+        model.open_gdn_gates(cfg.gdn_gate_z)
+        return model.to(device)
     return load_checkpoint(cfg.init, dtype="float32", device=device)
 
 
