@@ -51,9 +51,7 @@ def probe(layout: str, seed: int, args: argparse.Namespace) -> dict:
     cfg = CloverConfig.preset(args.preset, layer_types=[LETTERS[c] for c in layout], num_hidden_layers=len(layout))
     if 100 + args.vocab > cfg.vocab_size:
         raise SystemExit(f"--vocab {args.vocab} does not fit the preset's vocabulary ({cfg.vocab_size})")
-    torch.manual_seed(seed)
-    model = CloverForCausalLM(cfg)
-    model.open_gdn_gates(args.gdn_gate_z)
+    model = CloverForCausalLM.from_scratch(cfg, seed, args.gdn_gate_z)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     train_gen = torch.Generator().manual_seed(seed)
     held_out = copy_rows(args.batch, args.length, args.vocab, torch.Generator().manual_seed(10_000 + seed))

@@ -22,8 +22,6 @@ import json
 import sys
 from collections.abc import Callable
 
-import torch
-
 from clover.cli.evaluate import add_bench_parser, add_eval_parser
 from clover.cli.generate import add_chat_parser, add_generate_parser, add_serve_parser
 from clover.cli.train import add_data_parser, add_plot_parser, add_train_parser
@@ -64,9 +62,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         config = CloverConfig.preset(args.preset, **{
             **overrides, "vocab_size": max(config.vocab_size, tokenizer.vocab_size),
             "mask_token_id": tokenizer.mask_token_id, "eos_token_id": tokenizer.eos_token_ids})
-    torch.manual_seed(args.seed)
-    model = CloverForCausalLM(config)
-    model.open_gdn_gates(args.gdn_gate_z)
+    model = CloverForCausalLM.from_scratch(config, args.seed, args.gdn_gate_z)
     save_checkpoint(model, args.directory, dtype=args.dtype, extra_files=tokenizer.files() if tokenizer else None)
     with_tok = f", tokenizer of {tokenizer.vocab_size} tokens" if tokenizer else ", no tokenizer"
     print(f"wrote {args.directory}: preset {args.preset}, {_human(total)} parameters, random weights "

@@ -350,6 +350,15 @@ class CloverForCausalLM(nn.Module):
             for p in (module.gate.weight, module.experts.gate_up_proj, module.experts.down_proj):
                 nn.init.normal_(p, std=std)
 
+    @classmethod
+    def from_scratch(cls, config: CloverConfig, seed: int, gdn_gate_z: float = 2.0) -> CloverForCausalLM:
+        """Random weights to train from (seeded through torch's global generator): the constructor's
+        transformers-style init with the GDN gates opened (`open_gdn_gates`; gdn_gate_z 0: left as they are)."""
+        torch.manual_seed(seed)
+        model = cls(config)
+        model.open_gdn_gates(gdn_gate_z)
+        return model
+
     @torch.no_grad()
     def open_gdn_gates(self, z: float = 2.0, sample: tuple[int, int] = (4, 64)) -> None:
         """Open the GDN output gates of a model about to be trained from scratch (our init, on top of the

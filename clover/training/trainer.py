@@ -137,10 +137,7 @@ def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -
                                      eos_token_id=tokenizer.eos_token_ids)
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the preset only {config.vocab_size}")
-        torch.manual_seed(cfg.seed)
-        model = CloverForCausalLM(config)
-        model.open_gdn_gates(cfg.gdn_gate_z)
-        return model.to(device)
+        return CloverForCausalLM.from_scratch(config, cfg.seed, cfg.gdn_gate_z).to(device)
     return load_checkpoint(cfg.init, dtype="float32", device=device)
 
 
