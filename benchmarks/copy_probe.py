@@ -51,7 +51,7 @@ def probe(layout: str, seed: int, args: argparse.Namespace) -> dict:
     cfg = CloverConfig.preset(args.preset, layer_types=[LETTERS[c] for c in layout], num_hidden_layers=len(layout))
     if 100 + args.vocab > cfg.vocab_size:
         raise SystemExit(f"--vocab {args.vocab} does not fit the preset's vocabulary ({cfg.vocab_size})")
-    model = CloverForCausalLM.from_scratch(cfg, seed, args.gdn_gate_z)
+    model = CloverForCausalLM.from_scratch(cfg, seed, args.gdn_gate_z, args.gdn_dt_max)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     train_gen = torch.Generator().manual_seed(seed)
     held_out = copy_rows(args.batch, args.length, args.vocab, torch.Generator().manual_seed(10_000 + seed))
@@ -93,11 +93,14 @@ def main() -> None:
     ap.add_argument("--gdn-gate-z", type=float, default=2.0,
                     help="GDN output gates opened to silu(z) at this mean z at init, as `clover train` does "
                          "(0: the transformers-style init)")
+    ap.add_argument("--gdn-dt-max", type=float, default=0.1,
+                    help="GDN decay steps drawn log-uniform in [0.001, this] at init, as `clover train` does "
+                         "(0: the transformers-style dt_bias 1)")
     ap.add_argument("--seeds", default="0", help="comma-separated: each layout is trained once per seed (weights "
                     "and rows); when induction forms varies from seed to seed")
     args = ap.parse_args()
     print(f"copy probe: preset {args.preset}, rows SEP x SEP x with |x| = {args.length} from {args.vocab} tokens, "
-          f"batch {args.batch}, AdamW lr {args.lr} constant, GDN gate z {args.gdn_gate_z} at init, at most {args.steps} steps, seeds {args.seeds}; "
+          f"batch {args.batch}, AdamW lr {args.lr} constant, GDN gate z {args.gdn_gate_z} and decay steps up to {args.gdn_dt_max or 'transformers-style'} at init, at most {args.steps} steps, seeds {args.seeds}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     layouts, seeds = args.layouts.split(","), [int(s) for s in args.seeds.split(",")]
     for layout in layouts:   # all checked before the first one trains
@@ -115,7 +118,7 @@ def main() -> None:
         speed = sum(r["train_tokens_per_s"] for r in rs) / len(rs)
         print(f"| {layout} | {passed} of {len(rs)} | {at} | {final} | {speed:.0f} |")
     print(json.dumps({"benchmark": "copy_probe", "preset": args.preset, "steps": args.steps, "batch": args.batch,
-                      "length": args.length, "vocab": args.vocab, "lr": args.lr, "gdn_gate_z": args.gdn_gate_z, "seeds": seeds,
+                      "length": args.length, "vocab": args.vocab, "lr": args.lr, "gdn_gate_z": args.gdn_gate_z, "gdn_dt_max": args.gdn_dt_max, "seeds": seeds,
                       "results": [{k: v for k, v in r.items() if k != "curve"} for r in results]}))
 
 

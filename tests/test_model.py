@@ -188,6 +188,31 @@ def test_open_gdn_gates_gives_every_gdn_layer_the_asked_gate_and_keeps_the_forma
     assert all(torch.equal(v, before[k]) for k, v in plain.state_dict().items())
 
 
+def test_slow_gdn_decay_draws_each_heads_step_in_its_range_and_changes_only_dt_bias():
+    """softplus(dt_bias) of every GDN head lands in [dt_min, dt_max] (up to fp32 rounding of the inverse
+    softplus, 1e-6 relative), spread over the range (not one value); only the GDN dt_bias weights change.
+    from_scratch with gdn_dt_max 0 and gdn_gate_z 0 is the constructor's init, bit for bit."""
+    from clover.model.modeling import CloverForCausalLM
+
+    config = CloverConfig.preset("tiny-wide")
+    torch.manual_seed(0)
+    model = CloverForCausalLM(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.slow_gdn_decay(dt_min=1e-3, dt_max=0.1)
+    after = model.state_dict()
+    gdn = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+    changed = sorted(k for k in after if not torch.equal(after[k], before[k]))
+    assert changed == sorted(f"model.layers.{i}.linear_attn.dt_bias" for i in gdn)
+    dt = torch.cat([torch.nn.functional.softplus(after[f"model.layers.{i}.linear_attn.dt_bias"]) for i in gdn])
+    assert float(dt.min()) >= 1e-3 * (1 - 1e-6) and float(dt.max()) <= 0.1 * (1 + 1e-6)
+    assert float(dt.max() / dt.min()) > 3   # drawn across the range: 12 heads (3 layers x 4) log-uniform over a factor 100
+
+    plain = CloverForCausalLM.from_scratch(config, 0, gdn_gate_z=0.0, gdn_dt_max=0.0)
+    assert all(torch.equal(v, before[k]) for k, v in plain.state_dict().items())
+    with pytest.raises(ValueError, match="0 < dt_min <= dt_max"):
+        model.slow_gdn_decay(dt_min=1e-3, dt_max=-1.0)
+
+
 def test_logits_of_the_rows_a_decoder_reads_equal_the_full_pass_and_the_rest_are_zero(debug_model):
     """`masked_only` (preview, and the fused pass's block) runs the LM head on the mask slots within each
     row's length only; a check's padded rows skip it too. The rows computed equal the full pass's."""

@@ -384,3 +384,13 @@ def test_resume_refuses_a_trainer_state_that_would_run_code(data_dir, tmp_path):
     with pytest.raises(CheckpointError, match="refused, nothing was run"):
         train(_cfg(data_dir, tmp_path / "run", steps=6, save_every=3, eval_every=3), resume=True)
     assert not marker.exists()
+
+
+def test_train_config_refuses_a_gdn_decay_range_it_cannot_draw():
+    """gdn_dt_max 0 turns the slow-decay init off; a positive value under the range's floor (0.001) or a negative
+    one is refused before any data or weights are touched, with the flag's name in the message."""
+    TrainConfig(data="d", out="o", gdn_dt_max=0.0).validate()
+    TrainConfig(data="d", out="o", gdn_dt_max=0.1).validate()
+    for bad in (1e-4, -0.1):
+        with pytest.raises(ValueError, match="gdn_dt_max"):
+            TrainConfig(data="d", out="o", gdn_dt_max=bad).validate()

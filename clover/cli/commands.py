@@ -62,7 +62,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         config = CloverConfig.preset(args.preset, **{
             **overrides, "vocab_size": max(config.vocab_size, tokenizer.vocab_size),
             "mask_token_id": tokenizer.mask_token_id, "eos_token_id": tokenizer.eos_token_ids})
-    model = CloverForCausalLM.from_scratch(config, args.seed, args.gdn_gate_z)
+    model = CloverForCausalLM.from_scratch(config, args.seed, args.gdn_gate_z, args.gdn_dt_max)
     save_checkpoint(model, args.directory, dtype=args.dtype, extra_files=tokenizer.files() if tokenizer else None)
     with_tok = f", tokenizer of {tokenizer.vocab_size} tokens" if tokenizer else ", no tokenizer"
     print(f"wrote {args.directory}: preset {args.preset}, {_human(total)} parameters, random weights "
@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gdn-gate-z", type=float, default=2.0,
                    help="open the GDN output gates to silu(z) at this mean z (0: the transformers-style init)")
+    p.add_argument("--gdn-dt-max", type=float, default=0.1,
+                   help="GDN decay steps softplus(dt_bias) log-uniform in [0.001, this] (0: the transformers-style "
+                        "dt_bias 1)")
     p.add_argument("--force", action="store_true", help="allow presets over 2B parameters")
     p.add_argument("--tokenizer", metavar="DIR", help="copy the tokenizer of this directory")
     p.add_argument("--no-tokenizer", action="store_true",

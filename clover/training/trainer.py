@@ -40,6 +40,7 @@ class TrainConfig:
     out: str                                   # run directory
     init: str = "preset:tiny"                  # "preset:NAME" (random weights) or a checkpoint directory
     gdn_gate_z: float = 2.0                    # preset init only: GDN output gates opened to this mean z (0: off)
+    gdn_dt_max: float = 0.1                    # preset init only: GDN decay steps log-uniform in [1e-3, this] (0: off)
     objective: str = "ar"                      # "ar" or "diffusion"
     sft: bool = False                          # score (and noise) assistant tokens only
     pack: bool = False                         # fill chat rows with several conversations
@@ -86,6 +87,8 @@ class TrainConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if not 0 < self.lr < 1 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
             raise ValueError("need 0 < lr < 1, 0 <= min_lr_ratio <= 1 and warmup >= 0")
+        if self.gdn_dt_max != 0 and self.gdn_dt_max < 1e-3:
+            raise ValueError(f"gdn_dt_max must be 0 (off) or at least 0.001, got {self.gdn_dt_max}")
         self.mix_weights()
 
 
@@ -137,7 +140,7 @@ def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -
                                      eos_token_id=tokenizer.eos_token_ids)
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the preset only {config.vocab_size}")
-        return CloverForCausalLM.from_scratch(config, cfg.seed, cfg.gdn_gate_z).to(device)
+        return CloverForCausalLM.from_scratch(config, cfg.seed, cfg.gdn_gate_z, cfg.gdn_dt_max).to(device)
     return load_checkpoint(cfg.init, dtype="float32", device=device)
 
 
