@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from clover.model.config import CloverConfig
-from clover.model.modeling import CloverForCausalLM
+from clover.model.modeling import CloverForCausalLM, check_gdn_init
 
 LETTERS = {"L": "linear_attention", "F": "full_attention"}
 
@@ -99,6 +99,10 @@ def main() -> None:
     ap.add_argument("--seeds", default="0", help="comma-separated: each layout is trained once per seed (weights "
                     "and rows); when induction forms varies from seed to seed")
     args = ap.parse_args()
+    try:
+        check_gdn_init(args.gdn_gate_z, args.gdn_dt_max)
+    except ValueError as exc:
+        raise SystemExit(f"copy_probe: {exc}") from None
     print(f"copy probe: preset {args.preset}, rows SEP x SEP x with |x| = {args.length} from {args.vocab} tokens, "
           f"batch {args.batch}, AdamW lr {args.lr} constant, GDN gate z {args.gdn_gate_z} and decay steps up to {args.gdn_dt_max or 'transformers-style'} at init, at most {args.steps} steps, seeds {args.seeds}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")

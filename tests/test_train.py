@@ -391,6 +391,23 @@ def test_train_config_refuses_a_gdn_decay_range_it_cannot_draw():
     one is refused before any data or weights are touched, with the flag's name in the message."""
     TrainConfig(data="d", out="o", gdn_dt_max=0.0).validate()
     TrainConfig(data="d", out="o", gdn_dt_max=0.1).validate()
-    for bad in (1e-4, -0.1):
+    for bad in (1e-4, -0.1, math.inf, math.nan):
         with pytest.raises(ValueError, match="gdn_dt_max"):
             TrainConfig(data="d", out="o", gdn_dt_max=bad).validate()
+    with pytest.raises(ValueError, match="gdn_gate_z"):
+        TrainConfig(data="d", out="o", gdn_gate_z=math.inf).validate()
+
+
+def test_resume_keeps_the_init_settings_the_run_was_made_with(data_dir, tmp_path):
+    """The GDN init settings only shape the random weights: a resumed run keeps the saved ones whatever the
+    command line says, and a run saved before a setting existed is recorded as made without it (0), not with
+    today's default."""
+    run = tmp_path / "run"
+    train(_cfg(data_dir, run, steps=2, init="preset:debug"))
+    path = run / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    del state["config"]["gdn_gate_z"], state["config"]["gdn_dt_max"]   # as a run from before both
+    torch.save(state, path)
+    train(_cfg(data_dir, run, steps=3, init="preset:debug", gdn_dt_max=0.05), resume=True)
+    saved = json.loads((run / "train_config.json").read_text())
+    assert (saved["gdn_gate_z"], saved["gdn_dt_max"], saved["steps"]) == (0.0, 0.0, 3)

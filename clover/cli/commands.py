@@ -35,7 +35,7 @@ from clover.model.checkpoint import (
 )
 from clover.model.checks import verify_model
 from clover.model.config import PRESETS, CloverConfig, ConfigError
-from clover.model.modeling import CloverForCausalLM
+from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import Tokenizer, TokenizerError, stdlib_texts
 
 
@@ -47,6 +47,7 @@ def _human(n: int) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
+    check_gdn_init(args.gdn_gate_z, args.gdn_dt_max)   # before a tokenizer is trained
     overrides = json.loads(args.override) if args.override else {}
     config = CloverConfig.preset(args.preset, **overrides)
     total, _ = config.num_parameters()

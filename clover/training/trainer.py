@@ -28,10 +28,12 @@ from torch import nn
 
 from clover.model.checkpoint import CheckpointError, load_checkpoint, recover_directory, save_checkpoint
 from clover.model.config import CloverConfig
-from clover.model.modeling import CloverForCausalLM
+from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer
 from clover.training.data import Batch, TokenData
 from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
+
+INIT_ONLY = ("gdn_gate_z", "gdn_dt_max")   # TrainConfig fields read only when random weights are made
 
 
 @dataclass
@@ -87,8 +89,7 @@ class TrainConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if not 0 < self.lr < 1 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
             raise ValueError("need 0 < lr < 1, 0 <= min_lr_ratio <= 1 and warmup >= 0")
-        if self.gdn_dt_max != 0 and self.gdn_dt_max < 1e-3:
-            raise ValueError(f"gdn_dt_max must be 0 (off) or at least 0.001, got {self.gdn_dt_max}")
+        check_gdn_init(self.gdn_gate_z, self.gdn_dt_max)
         self.mix_weights()
 
 
@@ -257,7 +258,10 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         except pickle.UnpicklingError as exc:
             raise CheckpointError(f"{ckpt / 'trainer_state.pt'} holds more than optimizer state and settings "
                                   f"(refused, nothing was run): {str(exc).splitlines()[0]}") from exc
-        saved = TrainConfig(**state["config"])
+        # init-only settings shape the random weights and nothing after; a resumed run keeps the saved ones
+        # (runs older than a setting made their weights without it: 0)
+        saved = TrainConfig(**{**{name: 0.0 for name in INIT_ONLY}, **state["config"]})
+        cfg = dataclasses.replace(cfg, **{name: getattr(saved, name) for name in INIT_ONLY})
         if dataclasses.replace(saved, steps=cfg.steps) != cfg:
             raise ValueError(f"--resume with different settings than the run in {out}; only --steps may change")
         model = load_checkpoint(ckpt, dtype="float32", device=d.device)
