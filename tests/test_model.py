@@ -153,6 +153,22 @@ def test_training_forward_gradients_reach_every_parameter(debug_model):
     assert dead == []
 
 
+def _gdn_gate_inputs(model, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """z = in_proj_z(x) of every GDN layer (by layer index) in one causal pass of `ids`."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        if not layer.is_attention:
+            hooks.append(layer.linear_attn.in_proj_z.register_forward_hook(
+                lambda _m, _inputs, out, i=i: seen.setdefault(i, out)))
+    try:
+        with torch.no_grad():
+            model.causal(ids, logits="train")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
 @pytest.mark.parametrize("preset", ["debug", "tiny-wide"])
 def test_open_gdn_gates_gives_every_gdn_layer_the_asked_gate_and_keeps_the_format(preset):
     """Calibrated on 4 x 64 random tokens, checked on 8 x 128 others: the mean z of each GDN layer's gate is
@@ -172,12 +188,7 @@ def test_open_gdn_gates_gives_every_gdn_layer_the_asked_gate_and_keeps_the_forma
     gdn = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
     assert changed == sorted(["model.embed_tokens.weight"] + [f"model.layers.{i}.linear_attn.in_proj_z.weight" for i in gdn])
 
-    seen = {}
-    for i in gdn:
-        model.model.layers[i].linear_attn.in_proj_z.register_forward_hook(
-            lambda _m, _inputs, out, i=i: seen.setdefault(i, out))
-    with torch.no_grad():
-        model.causal(torch.randint(0, config.vocab_size, (8, 128)), logits="train")
+    seen = _gdn_gate_inputs(model, torch.randint(0, config.vocab_size, (8, 128)))
     for i in gdn:
         assert abs(float(seen[i].mean()) - 2.0) < 0.3, (i, float(seen[i].mean()))
     assert float((seen[gdn[0]] > 0).float().mean()) > 0.99
@@ -224,15 +235,9 @@ def test_from_scratch_defaults_open_every_gdn_gate_of_tiny_wide():
 
     config = CloverConfig.preset("tiny-wide")
     model = CloverForCausalLM.from_scratch(config, 0)
-    gdn = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
-    seen = {}
-    for i in gdn:
-        model.model.layers[i].linear_attn.in_proj_z.register_forward_hook(
-            lambda _m, _inputs, out, i=i: seen.setdefault(i, out))
-    with torch.no_grad():
-        model.causal(torch.randint(0, config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(99)),
-                     logits="train")
-    z = [float(seen[i].mean()) for i in gdn]
+    seen = _gdn_gate_inputs(model, torch.randint(0, config.vocab_size, (8, 128),
+                                                 generator=torch.Generator().manual_seed(99)))
+    z = [float(out.mean()) for _, out in sorted(seen.items())]
     assert abs(z[0] - 2.0) < 0.3 and min(z) > 0.5, z
 
 
