@@ -115,7 +115,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                     "assistant tokens of chat data. Under torchrun the global batch is split over the processes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
-               "  clover train --data data --out runs/ar --init preset:tiny --objective ar --steps 2000\n"
+               "  clover train --data data --out runs/ar --init preset:tiny-wide --objective ar --steps 2000\n"
                "  clover convert runs/ar/model runs/diff-init\n"
                "  clover train --data data --out runs/diff --init runs/diff-init --objective diffusion "
                "--ar-loss-weight 0.5\n"

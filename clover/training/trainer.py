@@ -40,7 +40,7 @@ INIT_ONLY = ("gdn_gate_z", "gdn_dt_max")   # TrainConfig fields read only when r
 class TrainConfig:
     data: str                                  # data directory (from `clover data build`)
     out: str                                   # run directory
-    init: str = "preset:tiny"                  # "preset:NAME" (random weights) or a checkpoint directory
+    init: str = "preset:tiny-wide"             # "preset:NAME" (random weights) or a checkpoint directory
     gdn_gate_z: float = 2.0                    # preset init only: GDN output gates opened to this mean z (0: off)
     gdn_dt_max: float = 0.1                    # preset init only: GDN decay steps log-uniform in [1e-3, this] (0: off)
     objective: str = "ar"                      # "ar" or "diffusion"
