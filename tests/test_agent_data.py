@@ -158,3 +158,40 @@ def test_packing_fills_chat_rows(tmp_path):
 def test_synthetic_make_faulty_calc_is_the_harness_task():
     task = synthetic.make_faulty_calc(5)
     assert task.family == "calc_faulty" and sum(m["role"] == "tool" for m in task.messages) == 3
+
+
+def _copied_values(task):
+    """The words a task asks to copy: the recall code word, the note's value, the files' names, the word to
+    reverse or count letters in (the task's own, not an earlier exchange's)."""
+    text = "\n".join(m["content"] for m in task.messages if m["role"] in ("system", "user"))
+    found = re.findall(r"code word ([A-Z]+)", text) + re.findall(r"'([a-z]+)\d+' in my notes", text)
+    found += [p.split("/")[-1][:-4] for p in task.initial_files if p.startswith("/docs/")]
+    if task.family == "arith":
+        last_user = [m["content"] for m in task.messages if m["role"] == "user"][-1]
+        found += re.findall(r"(?:word|in) '([a-z]+)'", last_user)
+    return [w.lower() for w in found]
+
+
+def test_coined_values_replace_the_harness_words_only_where_asked():
+    families = ("recall", "notes", "files", "arith")
+    words = set(synthetic.WORDS)
+    for family in families:
+        plain = [A.make_training_task(family, seed) for seed in range(40)]
+        coined = [A.make_training_task(family, seed, coin_values=1.0) for seed in range(40)]
+        assert sum(bool(_copied_values(t)) for t in plain) >= 10, family    # the probe finds the values
+        assert all(set(_copied_values(t)) <= words for t in plain), family
+        assert all(not set(_copied_values(t)) & words for t in coined), family
+        for task in coined:   # still true transcripts with checkable answers
+            calls, differ = _replay(task)
+            assert not differ, (family, task.seed, differ)
+            final = [m for m in task.messages if m["role"] == "assistant"][-1]["content"]
+            assert task.check(final) and not task.check("I do not know."), (family, task.seed)
+        # the held-out pool (the harness's held-out suite) is never coined, and the default draws nothing extra
+        assert all(A.make_training_task(family, s, "heldout", coin_values=1.0).messages
+                   == A.make_training_task(family, s, "heldout").messages for s in range(10))
+    share = np.mean([bool(set(_copied_values(t)) - words)
+                     for t in A.training_tasks("train", 600, coin_values=0.5) if _copied_values(t)])
+    assert 0.39 < share < 0.61          # 186 tasks with values to copy: 0.5 +- 3 standard errors (0.037)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="coin_values"):
+            A.training_tasks("train", 1, coin_values=bad)

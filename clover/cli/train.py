@@ -22,7 +22,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     counts = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
     recall = {"train": args.recall_train, "val": args.recall_eval, "test": args.recall_eval}
-    manifest = build_corpus(out, args.cache, counts, recall)
+    manifest = build_corpus(out, args.cache, counts, recall, coin_values=args.coin_values)
     print(f"corpus: {sum(s.get('train', {}).get('documents', 0) for s in manifest['sources'].values())} training "
           f"documents from {len(manifest['sources'])} sources ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     tokenizer_path = out / "tokenizer"
@@ -69,6 +69,9 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--tokenizer-bytes", type=int, default=24_000_000, help="text used to train the tokenizer")
     b.add_argument("--chat-train", type=int, default=20000, help="synthetic training conversations")
     b.add_argument("--chat-eval", type=int, default=200, help="synthetic validation and test conversations each")
+    b.add_argument("--coin-values", type=float, default=0.0, metavar="SHARE",
+                   help="share of agent conversations whose values to copy (code words, note values, file names) "
+                        "are invented words rather than the harness's 27 (default 0)")
     b.add_argument("--recall-train", type=int, default=20000, help="recall drill documents for training")
     b.add_argument("--recall-eval", type=int, default=500, help="recall drill documents for validation and test each")
     b.set_defaults(func=cmd_data_build)

@@ -21,6 +21,11 @@ with affixes and casings), so that no name is seen often enough to be recalled: 
 not offered has not read the list. The harness's own names are kept for a third of the tasks of its
 families (so its suites stay in distribution), the everyday tools' natural names for half of theirs.
 The `heldout` pool coins nothing: its calc, notes, files and recall tasks use the harness's names.
+
+The values a task asks to copy (the memory suite's code word, a note's value, the files' names, the word to
+reverse) come from `synthetic.WORDS`, 27 words, as the harness draws them: a model can name one of them from
+training without reading the conversation. With `coin_values` > 0 that share of the `train` pool's tasks of
+those families draws them from invented words instead, so that only copying from the context gets them right.
 """
 
 from __future__ import annotations
@@ -307,15 +312,20 @@ def _distractors(rng: random.Random, pool: str, offered: list[dict]) -> list[dic
     return out
 
 
-def make_training_task(family: str, seed: int, pool: str = "train") -> Task:
-    """One conversation of `family` from `seed`, dressed up as described in the module docstring."""
+def make_training_task(family: str, seed: int, pool: str = "train", coin_values: float = 0.0) -> Task:
+    """One conversation of `family` from `seed`, dressed up as described in the module docstring;
+    `coin_values`: the share of `train`-pool tasks whose values to copy are invented words (0: WORDS, and
+    the conversations are those of earlier releases' data)."""
     if family not in FAMILY_WEIGHTS:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILY_WEIGHTS)}")
     if pool not in LOOKUP_POOLS:
         raise ValueError(f"unknown pool {pool!r}; choose from {sorted(LOOKUP_POOLS)}")
+    check_share("coin_values", coin_values)
     rng = random.Random(f"agent:{family}:{pool}:{seed}")
     thinking = rng.random() < 0.5
     b = _Builder(World(), thinking)
+    if pool == "train" and coin_values > 0 and rng.random() < coin_values:   # no draw at 0: the data stays as it was
+        b.lexicon = _invented
     if family == "calc_faulty":
         base = synthetic.make_faulty_calc(seed, thinking=thinking)
         b.messages, answer, tools = base.messages, base.answer, base.tools
@@ -356,10 +366,15 @@ def make_training_task(family: str, seed: int, pool: str = "train") -> Task:
                 thinking=thinking, initial_files=b.initial_files if b.initial_files is not None else dict(b.world.files))
 
 
-def training_tasks(split: str, count: int, pool: str = "train") -> list[Task]:
+def training_tasks(split: str, count: int, pool: str = "train", coin_values: float = 0.0) -> list[Task]:
     """`count` conversations of `split` (seeds from its own range), families drawn by FAMILY_WEIGHTS."""
     if split not in synthetic.SPLIT_SEEDS:
         raise ValueError(f"unknown split {split!r}; choose from {list(synthetic.SPLIT_SEEDS)}")
     cycle = [f for f, w in FAMILY_WEIGHTS.items() for _ in range(w)]
     base = synthetic.SPLIT_SEEDS[split]
-    return [make_training_task(cycle[i % len(cycle)], base + i, pool) for i in range(count)]
+    return [make_training_task(cycle[i % len(cycle)], base + i, pool, coin_values) for i in range(count)]
+
+
+def check_share(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise ValueError(f"{name} must be a share between 0 and 1, got {value!r}")

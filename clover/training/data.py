@@ -97,8 +97,10 @@ def documents(cache: Path) -> Iterator[Document]:
 
 
 def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int] | None = None,
-                 recall_counts: dict[str, int] | None = None) -> dict:
-    """Write raw/{split}/{kind}.jsonl and manifest.json (documents, bytes and licence per source and split)."""
+                 recall_counts: dict[str, int] | None = None, coin_values: float = 0.0) -> dict:
+    """Write raw/{split}/{kind}.jsonl and manifest.json (documents, bytes and licence per source and split);
+    `coin_values`: `agent_data.make_training_task`'s share of conversations whose values to copy are invented."""
+    agent_data.check_share("coin_values", coin_values)
     out, cache = Path(out), Path(cache)
     chat_counts = chat_counts or {"train": 20000, "val": 200, "test": 200}
     recall_counts = recall_counts or {"train": 20000, "val": 500, "test": 500}
@@ -119,8 +121,9 @@ def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int]
         for split, count in chat_counts.items():
             s = stats.setdefault("synthetic-chat", {"kind": "chat", "licence": LICENCES["synthetic-chat"]})
             s[split] = {"documents": count, "seeds": [synthetic.SPLIT_SEEDS[split],
-                                                      synthetic.SPLIT_SEEDS[split] + count - 1]}
-            for task in agent_data.training_tasks(split, count):
+                                                      synthetic.SPLIT_SEEDS[split] + count - 1],
+                         "coin_values": coin_values}
+            for task in agent_data.training_tasks(split, count, coin_values=coin_values):
                 files[split, "chat"].write(json.dumps({"family": task.family, "seed": task.seed,
                                                        "messages": task.messages, "tools": task.tools}) + "\n")
         for split, count in recall_counts.items():

@@ -190,6 +190,23 @@ class _Builder:
         self.initial_files: dict[str, str] | None = None  # the file system before the first action
         # tools shown under other names: own name -> (shown name, own parameter -> shown parameter)
         self.renames: dict[str, tuple[str, dict[str, str]]] = {}
+        # where the families' words (values to copy: code words, note values, file names) come from: None is
+        # WORDS, as the harness draws them; training data can coin them instead (`agent_data`, coin_values)
+        self.lexicon: Callable[[random.Random], str] | None = None
+
+    def word(self, rng: random.Random) -> str:
+        return rng.choice(WORDS) if self.lexicon is None else self.lexicon(rng)
+
+    def words(self, rng: random.Random, k: int) -> list[str]:
+        """k distinct words."""
+        if self.lexicon is None:
+            return rng.sample(WORDS, k)
+        out: list[str] = []
+        while len(out) < k:
+            w = self.lexicon(rng)
+            if w not in out:
+                out.append(w)
+        return out
 
     def user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
@@ -226,7 +243,7 @@ def _arith(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
         b.user(rng.choice(["What is {} {} {}?", "Compute {} {} {}.", "{} {} {} = ?"]).format(x, sym, y))
         b.answer(f"{x} {sym} {y} = {val}.", f"{x} {sym} {y} = {val}.")
         return str(val), []
-    word = rng.choice(WORDS)
+    word = b.word(rng)
     if kind == "reverse":
         b.user(f"Reverse the word '{word}'.")
         b.answer(f"Letters of {word}: {' '.join(word)}. Backwards: {' '.join(word[::-1])}.", word[::-1])
@@ -261,7 +278,7 @@ def _calc(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
 
 def _notes(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
     key = rng.choice(["room", "code", "colour", "city", "pet", "project"])
-    value = rng.choice(WORDS) + str(rng.randint(1, 99))
+    value = b.word(rng) + str(rng.randint(1, 99))
     b.user(f"Save the {key} '{value}' in my notes under '{key}', then read it back to confirm.")
     b.act(f"Store {value} under {key}.", "note_set", key=key, value=value)
     got = b.act("Now read it back.", "note_get", key=key)
@@ -270,7 +287,7 @@ def _notes(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
 
 
 def _files(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
-    names = rng.sample(WORDS, 4)
+    names = b.words(rng, 4)
     secret = rng.choice(names)
     target = rng.choice([n for n in names if n != secret])
     for n in names:
@@ -293,7 +310,7 @@ def _recall(rng: random.Random, b: _Builder, steps: int | None = None) -> tuple[
     steps = steps if steps is not None else rng.choice([2, 4, 8])
     rule, check_word = rng.choice([("End every final answer with the word DONE.", "DONE"),
                                    ("Always mention the code word {} in your final answer.", None)])
-    code = rng.choice(WORDS).upper()
+    code = b.word(rng).upper()
     rule = rule.format(code)
     marker = check_word or code
     b.system(rule)
