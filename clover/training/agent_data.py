@@ -315,7 +315,7 @@ def _distractors(rng: random.Random, pool: str, offered: list[dict]) -> list[dic
 def make_training_task(family: str, seed: int, pool: str = "train", coin_values: float = 0.0) -> Task:
     """One conversation of `family` from `seed`, dressed up as described in the module docstring;
     `coin_values`: the share of `train`-pool tasks whose values to copy are invented words (0: WORDS, and
-    the conversations are those of earlier releases' data)."""
+    the conversations are exactly those generated before the option existed)."""
     if family not in FAMILY_WEIGHTS:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILY_WEIGHTS)}")
     if pool not in LOOKUP_POOLS:
