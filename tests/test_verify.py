@@ -129,6 +129,25 @@ def test_shipped_model_verify_equals_ar_and_keeps_drafts():
     assert sum(v.stats.drafts_accepted for v in ve) > 0  # the test exercises kept drafts, not only corrections
 
 
+def test_previewed_blocks_check_the_contexts_drafts_where_those_are_kept_more():
+    """Every block previewed and checked a full window at a time (`cost_ratio` 0): on code, where the
+    shipped model's previews draft badly and its text repeats what it has read, checks switch to the
+    context's drafts (`use_looked`), keep more drafts than the previews alone, and the output stays `ar`'s."""
+    m = load_checkpoint(SHIPPED, dtype="float32").eval()
+    tok = Tokenizer.load(SHIPPED)
+    prompts = [tok.encode(t) for t in ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n"]]
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    ar = [r.token_ids for r in Engine(m).generate(prompts, params.with_(algorithm="ar"))]
+    runs = {lookup: Engine(m, policies={"verify": VerifyPolicy(cost_ratio=0, lookup=lookup)}).generate(
+        prompts, params.with_(algorithm="verify")) for lookup in (True, False)}
+    for results in runs.values():
+        assert [r.token_ids for r in results] == ar
+        assert all(r.stats.previews_skipped == 0 for r in results)        # every block has its preview
+    kept = {lookup: sum(r.stats.drafts_accepted for r in rs) for lookup, rs in runs.items()}
+    assert sum(r.stats.lookup_accepted for r in runs[True]) > 0 and kept[True] > kept[False]
+    assert sum(r.stats.lookup_drafts for r in runs[False]) == 0
+
+
 class PoisonedVerify(VerifyPolicy):
     """Drafts that are `ar`'s own tokens for a few slots, then a wrong token, then `ar`'s again: the
     check keeps the right ones, replaces the poisoned one, and must never let it into the cache."""
@@ -639,9 +658,10 @@ def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffi
     assert lookup_drafts(np.array([4]), 2) == [] and lookup_drafts(np.array([], dtype=np.int64), 2) == []
 
 
-def test_lookup_drafts_are_used_only_without_a_preview_for_greedy_requests(model):
-    """A block without a preview drafts from the context; previewed blocks and sampled requests do not,
-    and `lookup=False` turns it off; the drafts stay within the block. (Under a grammar they are drafted
+def test_lookup_drafts_are_offered_to_greedy_requests_and_checked_where_they_are_kept_more(model):
+    """Greedy requests draft from the context (sampled ones do not, and `lookup=False` turns it off); the
+    drafts stay within the block. A block without a preview checks them; a previewed block checks them only
+    where they have been kept more often than the preview's (`use_looked`). (Under a grammar they are drafted
     too: the check masks each row, tests/test_structured.py holds verify == ar there.)"""
     policy = VerifyPolicy(window=4)
     prompt = [3, 4, 5, 6, 3, 4]
@@ -651,8 +671,13 @@ def test_lookup_drafts_are_used_only_without_a_preview_for_greedy_requests(model
     s.verified = 1
     assert policy.looked_up(s) == [5, 6]                  # 2 slots left in the block
     assert VerifyPolicy(lookup=False).looked_up(s) == []
-    s.drafts = s.block.clone()
-    assert policy.looked_up(s) == []
+    assert policy.use_looked(s, [5, 6]) and not policy.use_looked(s, [])
+    s.drafts = s.block.clone()                            # a previewed block
+    assert policy.looked_up(s) == [5, 6]
+    s.draft_hit, s.lookup_hit = 0.5, 0.5
+    assert not policy.use_looked(s, [5, 6])               # a tie keeps the preview's drafts
+    s.lookup_hit = 0.6
+    assert policy.use_looked(s, [5, 6])
     s.drafts = None
     s.params = SamplingParams(algorithm="verify", temperature=0.7)
     assert policy.looked_up(s) == []

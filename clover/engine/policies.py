@@ -22,7 +22,8 @@ is one new class added to `POLICIES`.
   tokens a check is expected to keep pay for its cost over an `ar` step; elsewhere the forward is one.
   In a block decoded without a preview (one not worth its cost), greedy requests draft from their own
   context instead (`lookup_drafts`: what followed the last earlier occurrence of the text's last few
-  tokens), which costs no forward: agents copy arguments, paths and code they have read.
+  tokens), which costs no forward: agents copy arguments, paths and code they have read. A previewed
+  block checks its context's drafts instead of the preview's where those have been kept more often.
 
 Dimension letters: S block slots, V vocabulary.
 """
@@ -389,7 +390,11 @@ class VerifyPolicy(_Blocks):
     A block decoded without a preview has no drafts of its own; a greedy sequence then
     drafts from its context (`lookup` on: `lookup_drafts`, up to `window` tokens, within the block), with
     its own running estimate of how often those are kept (`lookup_hit`), and the same choice of how many
-    to check. Such drafts cost nothing to make, and the check decides as for any draft. The first block
+    to check. Such drafts cost nothing to make, and the check decides as for any draft. A previewed block
+    checks them too, instead of the preview's, where they have been kept more often (`use_looked`: on
+    code, clover-tiny's previews draft badly while its text repeats what it has read); the first token of
+    each check says whether the source not checked would have kept its first draft, so that both
+    estimates follow the text. The first block
     is no exception: where its preview would not pay (`preview_worth`), the prompt is prefilled as `ar`
     prefills it and the block drafts from the context.
     """
@@ -416,16 +421,17 @@ class VerifyPolicy(_Blocks):
         return sum(p ** i for i in range(m + 1))
 
     def drafts_to_check(self, seqs: list[SequenceState], compiled: bool = False,
-                        looked: list[list[int]] | None = None) -> int:
+                        looked: list[list[int]] | None = None, use: list[bool] | None = None) -> int:
         """How many drafts the batch's next forward checks per sequence (0: an `ar` step). `compiled`:
         the passes run compiled, where every check length is a graph to build (minutes on 2 CPU cores),
         so the choice is `window` drafts or none. `looked`: each sequence's drafts from its context
-        (`lookup_drafts`; used where its block has no preview)."""
+        (`looked_up`), checked where `use` says (`use_looked`; default: where its block has no preview)."""
         looked = looked or [[] for _ in seqs]
+        use = use or [s.drafts is None for s in seqs]
         if any(not s.params.greedy for s in seqs):
             return self.window
-        hit = [s.draft_hit if s.drafts is not None else s.lookup_hit for s in seqs]
-        left = [len(look) if s.drafts is None else len(s.block) - s.verified for s, look in zip(seqs, looked, strict=True)]
+        hit = [s.lookup_hit if u else s.draft_hit for s, u in zip(seqs, use, strict=True)]
+        left = [len(look) if u else len(s.block) - s.verified for s, look, u in zip(seqs, looked, use, strict=True)]
         if not any(left):
             return 0
         if self.cost_ratio is not None:
@@ -488,19 +494,20 @@ class VerifyPolicy(_Blocks):
         # keep would cross a block boundary without ending there, and the prefix cache keeps only states
         # on boundaries (the block would be lost to the next turn)
         looked = [self.looked_up(s) if engine.prefix is None or s.cached >= s.pos else [] for s in seqs]
-        chosen = self.drafts_to_check(seqs, engine.model.decode_compiled, looked)   # one forward serves the batch
+        use = [self.use_looked(s, look) for s, look in zip(seqs, looked, strict=True)]
+        chosen = self.drafts_to_check(seqs, engine.model.decode_compiled, looked, use)   # one forward serves the batch
         inputs, pending, drafted, sources = [], [], [], []
-        for s, look in zip(seqs, looked, strict=True):
+        for s, look, u in zip(seqs, looked, use, strict=True):
             j = s.verified                                   # slots < j are verified
             p = s.pos + j - s.cached                         # verified, not yet in the cache (>= 1)
             pend = s.block[j - p: j] if p <= j else torch.cat([s.behind[len(s.behind) - p + j:], s.block[:j]])
-            # a block without a preview: drafts from the context where there are some, else `ar` steps
-            source = s.drafts[j:] if s.drafts is not None else torch.tensor(look, dtype=torch.long, device=dev)
+            # the preview's drafts, or those from the context (a block without a preview: else `ar` steps)
+            source = torch.tensor(look, dtype=torch.long, device=dev) if u or s.drafts is None else s.drafts[j:]
             m = min(chosen, len(source))                     # drafts checked
             inputs.append(torch.cat([pend, source[:m]]) if m else pend)
             pending.append(p)
             drafted.append(m)
-            sources.append(None if s.drafts is not None else source)
+            sources.append(source if u or s.drafts is None else None)
         lengths = [len(x) for x in inputs]
         picks: list[int | None] = [None] * n
         if max(lengths) == 1:   # no drafts to check: an `ar` step, which commits its token
@@ -531,7 +538,8 @@ class VerifyPolicy(_Blocks):
                     preds = preds[:m]
                 pick = picks[i][p - 1: p - 1 + len(preds)] if isinstance(picks[i], list) else picks[i]
                 # (a block of one slot is full before its first check: the forward only commits)
-                counts[i] = p + (self._check(engine, s, preds, m, events, pick, sources[i]) if len(preds) else 0)
+                counts[i] = p + (self._check(engine, s, preds, m, events, pick, sources[i], looked[i])
+                                 if len(preds) else 0)
             if s.finish_reason is not None:
                 counts[i] = 0                                # its row is freed
         if trail is not None:
@@ -552,9 +560,9 @@ class VerifyPolicy(_Blocks):
 
     def looked_up(self, s: SequenceState) -> list[int]:
         """Drafts from the sequence's context for the slots after its verified ones (`lookup_drafts`, at
-        most `window`, within the block), where its block has no preview and the request is greedy; else [].
+        most `window`, within the block), where the request is greedy; else [].
         Under a grammar the check masks each draft's row, so a draft the grammar forbids is rejected there."""
-        if not self.lookup or s.drafts is not None or not s.params.greedy:
+        if not self.lookup or not s.params.greedy:
             return []
         if s.prompt_array is None:
             s.prompt_array = np.asarray(s.prompt, dtype=np.int64)
@@ -562,6 +570,12 @@ class VerifyPolicy(_Blocks):
         found = lookup_drafts(context, min(self.window, len(s.block) - s.verified))
         self._learn(s, "lookup_found", bool(found))
         return found
+
+    def use_looked(self, s: SequenceState, looked: list[int]) -> bool:
+        """Whether the next check takes the drafts from the context (`looked_up`) rather than the block's
+        preview: where the block has no preview, or where the context's drafts have been kept more often
+        (`lookup_hit` > `draft_hit`: on code the preview's often fail where the text repeats what it has read)."""
+        return bool(looked) and (s.drafts is None or s.lookup_hit > s.draft_hit)
 
     def _learn(self, s: SequenceState, name: str, seen: float) -> None:
         """One observation of the running estimate `name` (draft_hit, lookup_hit, lookup_found): into the
@@ -735,18 +749,21 @@ class VerifyPolicy(_Blocks):
             s.draft_probs[masked] = probs
 
     def _check(self, engine: Engine, s: SequenceState, preds: torch.Tensor, m: int, events: list[Event],
-               pick: int | list[int] | None = None, looked: torch.Tensor | None = None) -> int:
+               pick: int | list[int] | None = None, looked: torch.Tensor | None = None,
+               alternative: list[int] | None = None) -> int:
         """Keep the drafts of slots j .. j+m-1 that the causal head agrees with (j: the first unverified
         slot), given the causal logits `preds` [m or m+1, V] that predict slots j .. When all are kept and
         a row predicts slot j+m, the causal head's own token for it follows. `pick`, where
         `engine.greedy_picks` found the batch's plain argmax: that token (m = 0, an `ar` step) or the argmax
-        of each row of `preds` (a check), which decide as `verify_drafts` would. The drafts are the preview's, or `looked`,
-        drafts from the context for slots j .. (a block without a preview). Returns the drafts kept."""
+        of each row of `preds` (a check), which decide as `verify_drafts` would. The drafts are `looked`, drafts
+        looked up for slots j .. (`looked_up`), where given, else the preview's. `alternative`: the drafts looked
+        up, whether checked or not (the causal head's first token says whether the source not checked would
+        have kept its first draft). Returns the drafts kept."""
         j = s.verified
         end = j + m
-        offered = s.drafts[j:] if s.drafts is not None else looked if looked is not None else s.block[j:j]
+        offered = looked if looked is not None else s.drafts[j:] if s.drafts is not None else s.block[j:j]
         drafts = offered[:m]
-        probs = None if s.draft_probs is None else s.draft_probs[j:end]
+        probs = None if looked is not None or s.draft_probs is None else s.draft_probs[j:end]
         raw = None
         if isinstance(pick, int):
             tokens, kept = [pick], 0
@@ -779,8 +796,13 @@ class VerifyPolicy(_Blocks):
         else:
             seen = [tokens[0] == int(offered[0])] if len(offered) else []
         for hit in seen:
-            self._learn(s, "draft_hit" if s.drafts is not None else "lookup_hit", hit)
-        if s.drafts is None:
+            self._learn(s, "lookup_hit" if looked is not None else "draft_hit", hit)
+        # the source not checked: whether its first draft equals the causal head's first token
+        if looked is not None and s.drafts is not None:
+            self._learn(s, "draft_hit", tokens[0] == int(s.drafts[j]))
+        elif looked is None and alternative and s.params.greedy:
+            self._learn(s, "lookup_hit", tokens[0] == alternative[0])
+        if looked is not None:
             s.stats.lookup_drafts += m
             s.stats.lookup_accepted += kept
         read_grammar(s, tokens)
