@@ -366,6 +366,13 @@ def test_each_forward_checks_the_number_of_drafts_that_yields_the_most_tokens_pe
     assert fixed.drafts_to_check([seq(0.5)]) == 4                  # 1.94 expected tokens
     assert fixed.drafts_to_check([seq(0.3)]) == 0                  # 1.42
     assert fixed.drafts_to_check([seq(0.3), seq(0.5)]) == 4        # one forward serves the batch
+    # a block without a preview whose context offers nothing expects one token, whatever its draft_hit
+    bare = seq(0.9)
+    bare.drafts = None
+    both, looked = [seq(0.3), bare], [[], []]
+    assert fixed.drafts_to_check(both, looked=looked, use=[fixed.use_looked(s, x) for s, x in zip(both, looked, strict=True)]) == 0
+    bare.lookup_hit = 0.5                                          # ... and drafts from the context where it has some
+    assert fixed.drafts_to_check(both, looked=[[], [7] * 4], use=[False, True]) == 4
 
     measured = VerifyPolicy(window=4)
     assert measured.choices == [0, 1, 2, 4]
@@ -671,13 +678,13 @@ def test_lookup_drafts_are_offered_to_greedy_requests_and_checked_where_they_are
     s.verified = 1
     assert policy.looked_up(s) == [5, 6]                  # 2 slots left in the block
     assert VerifyPolicy(lookup=False).looked_up(s) == []
-    assert policy.use_looked(s, [5, 6]) and not policy.use_looked(s, [])
+    assert policy.use_looked(s, [5, 6]) and policy.use_looked(s, [])   # no preview: the context's, or none
     s.drafts = s.block.clone()                            # a previewed block
     assert policy.looked_up(s) == [5, 6]
     s.draft_hit, s.lookup_hit = 0.5, 0.5
     assert not policy.use_looked(s, [5, 6])               # a tie keeps the preview's drafts
     s.lookup_hit = 0.6
-    assert policy.use_looked(s, [5, 6])
+    assert policy.use_looked(s, [5, 6]) and not policy.use_looked(s, [])
     s.drafts = None
     s.params = SamplingParams(algorithm="verify", temperature=0.7)
     assert policy.looked_up(s) == []

@@ -502,12 +502,12 @@ class VerifyPolicy(_Blocks):
             p = s.pos + j - s.cached                         # verified, not yet in the cache (>= 1)
             pend = s.block[j - p: j] if p <= j else torch.cat([s.behind[len(s.behind) - p + j:], s.block[:j]])
             # the preview's drafts, or those from the context (a block without a preview: else `ar` steps)
-            source = torch.tensor(look, dtype=torch.long, device=dev) if u or s.drafts is None else s.drafts[j:]
+            source = torch.tensor(look, dtype=torch.long, device=dev) if u else s.drafts[j:]
             m = min(chosen, len(source))                     # drafts checked
             inputs.append(torch.cat([pend, source[:m]]) if m else pend)
             pending.append(p)
             drafted.append(m)
-            sources.append(source if u or s.drafts is None else None)
+            sources.append(source if u else None)
         lengths = [len(x) for x in inputs]
         picks: list[int | None] = [None] * n
         if max(lengths) == 1:   # no drafts to check: an `ar` step, which commits its token
@@ -572,10 +572,11 @@ class VerifyPolicy(_Blocks):
         return found
 
     def use_looked(self, s: SequenceState, looked: list[int]) -> bool:
-        """Whether the next check takes the drafts from the context (`looked_up`) rather than the block's
-        preview: where the block has no preview, or where the context's drafts have been kept more often
-        (`lookup_hit` > `draft_hit`: on code the preview's often fail where the text repeats what it has read)."""
-        return bool(looked) and (s.drafts is None or s.lookup_hit > s.draft_hit)
+        """Whether the next check takes the drafts from the context (`looked`, from `looked_up`; perhaps
+        none) rather than the block's preview: where the block has no preview, or where the context offers
+        drafts that have been kept more often (`lookup_hit` > `draft_hit`: on code the preview's often fail
+        where the text repeats what it has read)."""
+        return s.drafts is None or (bool(looked) and s.lookup_hit > s.draft_hit)
 
     def _learn(self, s: SequenceState, name: str, seen: float) -> None:
         """One observation of the running estimate `name` (draft_hit, lookup_hit, lookup_found): into the
