@@ -425,9 +425,9 @@ class VerifyPolicy(_Blocks):
         """How many drafts the batch's next forward checks per sequence (0: an `ar` step). `compiled`:
         the passes run compiled, where every check length is a graph to build (minutes on 2 CPU cores),
         so the choice is `window` drafts or none. `looked`: each sequence's drafts from its context
-        (`looked_up`), checked where `use` says (`use_looked`; default: where its block has no preview)."""
+        (`looked_up`), checked where `use` says (default: `use_looked`)."""
         looked = looked or [[] for _ in seqs]
-        use = use or [s.drafts is None for s in seqs]
+        use = use or [self.use_looked(s, look) for s, look in zip(seqs, looked, strict=True)]
         if any(not s.params.greedy for s in seqs):
             return self.window
         hit = [s.lookup_hit if u else s.draft_hit for s, u in zip(seqs, use, strict=True)]
@@ -801,7 +801,7 @@ class VerifyPolicy(_Blocks):
         # the source not checked: whether its first draft equals the causal head's first token
         if looked is not None and s.drafts is not None:
             self._learn(s, "draft_hit", tokens[0] == int(s.drafts[j]))
-        elif looked is None and alternative and s.params.greedy:
+        elif looked is None and alternative:                   # (`looked_up` offers none to sampled requests)
             self._learn(s, "lookup_hit", tokens[0] == alternative[0])
         if looked is not None:
             s.stats.lookup_drafts += m
