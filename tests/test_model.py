@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import perturbed_model
 
 from clover.model.config import CloverConfig
+from clover.model.modeling import LMHead
 from clover.model.testing import assert_close
 
 ATOL = 2e-5  # fp32 through a few layers; observed errors are ~3e-7
@@ -497,3 +499,36 @@ def test_a_compiled_pass_raises_errors_that_are_not_compile_failures(debug_model
         assert "step" in debug_model._compiled
     finally:
         debug_model.compile_decode(False)
+
+
+def test_prepacked_lm_head_equals_f_linear_and_follows_its_weight(monkeypatch, caplog):
+    """The eager inference head (`LMHead`: oneDNN's prepacked weight on CPU float32) gives `F.linear`'s logits
+    to float32 rounding at decoding's row counts, repacks after an in-place change of its weight (a training
+    run's evaluations), leaves autograd to `F.linear`, and falls back to it where packing fails."""
+    head = LMHead(384, 1000)
+    torch.nn.init.normal_(head.weight, std=0.02)
+    xs = [torch.randn(1, 384), torch.randn(8, 1, 384), torch.randn(72, 384), torch.randn(2, 5, 384)]
+    tol = 1e-5   # |logits| ~ 0.4, a 384-term float32 sum in another order: errors ~2e-6
+    with torch.inference_mode():
+        for x in xs:
+            assert_close(head(x), F.linear(x, head.weight), atol=tol, what=f"head of {tuple(x.shape)}")
+    if LMHead._packing:
+        assert head._packed is not None
+    with torch.no_grad():
+        head.weight.mul_(-2)
+    with torch.inference_mode():
+        assert_close(head(xs[2]), F.linear(xs[2], head.weight), atol=tol, what="head after a weight update")
+    x = xs[1].clone().requires_grad_()
+    head(x).sum().backward()
+    assert_close(x.grad, head.weight.sum(0).expand_as(x), atol=1e-5, what="gradient through the head")
+
+    def fail(w):
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr(LMHead, "_packing", True)
+    monkeypatch.setattr(LMHead, "_reorder", staticmethod(fail))
+    other = LMHead(384, 1000)
+    with torch.inference_mode():
+        got = other(xs[0])
+    assert torch.equal(got, F.linear(xs[0], other.weight))
+    assert "prepacked lm_head unavailable" in caplog.text and not LMHead._packing
