@@ -343,10 +343,11 @@ class LMHead(nn.Linear):
     reordered once into its blocked layout, kept until the weight changes: a plain `F.linear` goes to MKL's
     sgemm, which repacks the whole weight on every call, and at decoding's few rows that costs more than
     the product itself (clover-tiny's 8192 x 384 head, 2026-12-04, AMD EPYC with AVX2, 2 threads: 1.6 -> 0.8
-    ms for 1 row, 5.1 -> 1.4 for 8, 11.7 -> 6.6 for 72; benchmarks/forward.py). The same op a compiled pass
-    uses (inductor prepacks its linear weights in the same way), here for the eager passes; it costs a
+    ms for 1 row, 5.1 -> 1.4 for 8, 11.7 -> 6.6 for 72; docs/measurements.md, session 27). It costs a
     second copy of the head's weight. Results agree with `F.linear` to float32 rounding (a different order
-    of summation). Where the op is missing or fails, the head falls back to `F.linear` with a warning."""
+    of summation). Compiled passes keep `F.linear` (inductor, torch 2.13, emits a plain mm for it there, and
+    did not lower the packed op inside a graph). Where the op is missing or fails, the head falls back to
+    `F.linear` with a warning."""
 
     _packing = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
