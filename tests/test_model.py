@@ -513,7 +513,7 @@ def test_prepacked_lm_head_equals_f_linear_and_follows_its_weight(monkeypatch, c
         for x in xs:
             assert_close(head(x), F.linear(x, head.weight), atol=tol, what=f"head of {tuple(x.shape)}")
     if LMHead._packing:
-        assert head._packed is not None
+        assert head._packed_weight is not None
     with torch.no_grad():
         head.weight.mul_(-2)
     with torch.inference_mode():

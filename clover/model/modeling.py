@@ -337,48 +337,88 @@ def check_gdn_init(gdn_gate_z: float, gdn_dt_max: float) -> None:
         raise ValueError(f"gdn_dt_max must be 0 (off) or a finite number of at least 0.001, got {gdn_dt_max}")
 
 
+@torch.library.custom_op("clover::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [T,D] times a weight that `LMHead.pack` laid out for oneDNN -> [T,out_features]. One opaque op to a
+    compiled graph: inductor (torch 2.13) lowers neither oneDNN's own op on such a weight nor packs the
+    head itself (it emits a plain mm there)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 class LMHead(nn.Linear):
-    """The vocabulary projection (`lm_head`, an nn.Linear without bias). Where it runs eagerly on CPU in
-    float32 without autograd (decoding, evaluation), it multiplies by a copy of its weight that oneDNN has
-    reordered once into its blocked layout, kept until the weight changes: a plain `F.linear` goes to MKL's
-    sgemm, which repacks the whole weight on every call, and at decoding's few rows that costs more than
-    the product itself (clover-tiny's 8192 x 384 head, 2026-12-04, AMD EPYC with AVX2, 2 threads: 1.6 -> 0.8
-    ms for 1 row, 5.1 -> 1.4 for 8, 11.7 -> 6.6 for 72; docs/measurements.md, session 27). It costs a
-    second copy of the head's weight. Results agree with `F.linear` to float32 rounding (a different order
-    of summation). Compiled passes keep `F.linear` (inductor, torch 2.13, emits a plain mm for it there, and
-    did not lower the packed op inside a graph). Where the op is missing or fails, the head falls back to
-    `F.linear` with a warning."""
+    """The vocabulary projection (`lm_head`, an nn.Linear without bias). Where it runs on CPU in float32
+    without autograd (decoding, evaluation), it multiplies by a copy of its weight that oneDNN has
+    reordered once into its blocked layout (`pack`), kept until the weight changes: a plain `F.linear` goes
+    to MKL's sgemm, which repacks the whole weight on every call, and at decoding's few rows that costs
+    more than the product itself (clover-tiny's 8192 x 384 head, 2026-12-04, AMD EPYC with AVX2, 2 threads:
+    1.6 -> 0.8 ms for 1 row, 5.1 -> 1.4 for 8, 11.7 -> 6.6 for 72; docs/measurements.md, session 27). It
+    costs a second copy of the head's weight. Results agree with `F.linear` to float32 rounding (a different
+    order of summation). A compiled pass uses the copy packed when it was built (`compile_decode` packs
+    first; the weights are frozen into its graphs anyway). Where the op is missing or fails, the head falls
+    back to `F.linear` with a warning."""
 
     _packing = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
-        self._packed: tuple[tuple[int, int], torch.Tensor] | None = None   # (weight's pointer, version), copy
+        self._packed_key: tuple[int, int] | None = None    # the weight's storage and version when packed
+        self._packed_weight: torch.Tensor | None = None
 
     @staticmethod
     def _reorder(w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(w, 8)   # laid out for about 8 rows: the fastest
         # of 1, 8 and 32 at 1 to 72 rows on the machine above
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _usable(self, x: torch.Tensor) -> bool:
         w = self.weight
-        if not (self._packing and x.device.type == "cpu" and w.dtype == x.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
-                and not torch.compiler.is_compiling() and x.numel()):
-            return F.linear(x, w)
+        return (self._packing and x.device.type == "cpu" and w.dtype == x.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+
+    def pack(self) -> bool:
+        """Lay the weight out for oneDNN, again if it has changed since; whether a packed copy is in place
+        (False on other devices and dtypes, or where packing is unavailable)."""
+        w = self.weight
+        if not (self._packing and w.device.type == "cpu" and w.dtype == torch.float32):
+            return False
         try:
             key = (w.data_ptr(), w._version if not w.is_inference() else 0)   # (inference tensors are never
             # changed in place outside inference mode, and carry no version)
-            if self._packed is None or self._packed[0] != key:
-                self._packed = None
-                self._packed = (key, self._reorder(w.detach()))
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed[1], None, "none",
+            if self._packed_key != key:
+                self._packed_key, self._packed_weight = None, None
+                self._packed_weight, self._packed_key = self._reorder(w.detach()), key
+        except RuntimeError as exc:
+            self._unavailable(exc)
+            return False
+        return True
+
+    def _unavailable(self, exc: Exception) -> None:
+        import logging
+
+        logging.getLogger(__name__).warning("prepacked lm_head unavailable, using F.linear: %s", exc)
+        type(self)._packing = False
+        self._packed_key, self._packed_weight = None, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not self._usable(x):
+            return F.linear(x, w)
+        if torch.compiler.is_compiling():
+            if self._packed_weight is None:
+                return F.linear(x, w)
+            y = packed_linear(x.reshape(-1, x.shape[-1]), self._packed_weight, w.shape[0])
+            return y.reshape(*x.shape[:-1], w.shape[0])
+        if not x.numel() or not self.pack():
+            return F.linear(x, w)
+        try:
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed_weight, None, "none",
                                                    [], "")
         except RuntimeError as exc:
-            import logging
-
-            logging.getLogger(__name__).warning("prepacked lm_head unavailable, using F.linear: %s", exc)
-            type(self)._packing = False
+            self._unavailable(exc)
             return F.linear(x, w)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
@@ -682,6 +722,7 @@ class CloverForCausalLM(nn.Module):
         self._compiled, self._compiled_ran = {}, set()
         if not enabled:
             return
+        self.lm_head.pack()   # the graphs take the head's packed copy as it is now (LMHead)
         options = {"freezing": True, "cpp_wrapper": True}
         self._compiled = {name: torch.compile(fn, dynamic=True, options=options) for name, fn in
                           (("step", self._steps), ("check", self._check_views), ("keep", self._keep_views),
