@@ -1,5 +1,8 @@
 """The three entry points: incremental causal use, preview, training forward, and their invariants."""
 
+import copy
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -502,9 +505,10 @@ def test_a_compiled_pass_raises_errors_that_are_not_compile_failures(debug_model
 
 
 def test_prepacked_lm_head_equals_f_linear_and_follows_its_weight(monkeypatch, caplog):
-    """The eager inference head (`LMHead`: oneDNN's prepacked weight on CPU float32) gives `F.linear`'s logits
-    to float32 rounding at decoding's row counts, repacks after an in-place change of its weight (a training
-    run's evaluations), leaves autograd to `F.linear`, and falls back to it where packing fails."""
+    """The inference head (`LMHead`: oneDNN's prepacked weight on CPU float32) gives `F.linear`'s logits to
+    float32 rounding at decoding's row counts, repacks after an in-place change of its weight (a training
+    run's evaluations), leaves autograd and autocast to `F.linear`, survives a deep copy and a save once
+    packed, and falls back to `F.linear` where packing fails."""
     head = LMHead(384, 1000)
     torch.nn.init.normal_(head.weight, std=0.02)
     xs = [torch.randn(1, 384), torch.randn(8, 1, 384), torch.randn(72, 384), torch.randn(2, 5, 384)]
@@ -512,12 +516,20 @@ def test_prepacked_lm_head_equals_f_linear_and_follows_its_weight(monkeypatch, c
     with torch.inference_mode():
         for x in xs:
             assert_close(head(x), F.linear(x, head.weight), atol=tol, what=f"head of {tuple(x.shape)}")
-    if LMHead._packing:
-        assert head._packed_weight is not None
+    first = head._packed_weight
+    assert (first is not None) == LMHead._packing
     with torch.no_grad():
         head.weight.mul_(-2)
     with torch.inference_mode():
         assert_close(head(xs[2]), F.linear(xs[2], head.weight), atol=tol, what="head after a weight update")
+    assert LMHead._packing is False or head._packed_weight is not first          # packed again
+    twin = copy.deepcopy(head)                                                   # with a packed copy in place
+    torch.save(head, io.BytesIO())
+    with torch.inference_mode():
+        assert_close(twin(xs[1]), F.linear(xs[1], head.weight), atol=tol, what="head of a deep copy")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = head(xs[1])
+            assert got.dtype == torch.bfloat16 and torch.equal(got, F.linear(xs[1], head.weight))
     x = xs[1].clone().requires_grad_()
     head(x).sum().backward()
     assert_close(x.grad, head.weight.sum(0).expand_as(x), atol=1e-5, what="gradient through the head")

@@ -352,22 +352,35 @@ def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: in
 
 class LMHead(nn.Linear):
     """The vocabulary projection (`lm_head`, an nn.Linear without bias). Where it runs on CPU in float32
-    without autograd (decoding, evaluation), it multiplies by a copy of its weight that oneDNN has
-    reordered once into its blocked layout (`pack`), kept until the weight changes: a plain `F.linear` goes
-    to MKL's sgemm, which repacks the whole weight on every call, and at decoding's few rows that costs
+    without autograd or autocast (decoding, evaluation), it multiplies by a copy of its weight that oneDNN
+    has reordered once into its blocked layout (`pack`), kept until the weight changes: a plain `F.linear`
+    goes to MKL's sgemm, which repacks the whole weight on every call, and at decoding's few rows that costs
     more than the product itself (clover-tiny's 8192 x 384 head, 2026-12-04, AMD EPYC with AVX2, 2 threads:
     1.6 -> 0.8 ms for 1 row, 5.1 -> 1.4 for 8, 11.7 -> 6.6 for 72; docs/measurements.md, session 27). It
-    costs a second copy of the head's weight. Results agree with `F.linear` to float32 rounding (a different
-    order of summation). A compiled pass uses the copy packed when it was built (`compile_decode` packs
-    first; the weights are frozen into its graphs anyway). Where the op is missing or fails, the head falls
-    back to `F.linear` with a warning."""
+    costs a second copy of the head's weight while the head runs so. Results agree with `F.linear` to
+    float32 rounding (a different order of summation). A compiled pass multiplies by the packed copy
+    through `packed_linear` (`compile_decode` packs before building its graphs; as for every compiled pass,
+    the weights must not change afterwards). A change of the weight is seen by its storage and version:
+    an optimizer step, `copy_`, `load_state_dict`, `.to()`; not a write through `.data`, which bypasses
+    the version (call `pack()` after one). Where oneDNN's ops are missing or fail, the head falls back to
+    `F.linear` with a warning."""
 
     _packing = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
-        self._packed_key: tuple[int, int] | None = None    # the weight's storage and version when packed
+        self._drop_packed()
+
+    def _drop_packed(self) -> None:
+        # the weight as packed (held, so that its storage is not reused by another weight), its version, copy
+        self._packed_of: tuple[torch.Tensor, int] | None = None
         self._packed_weight: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed copy behind (it has no storage to copy; the copy repacks)."""
+        state = dict(super().__getstate__())
+        state["_packed_of"], state["_packed_weight"] = None, None
+        return state
 
     @staticmethod
     def _reorder(w: torch.Tensor) -> torch.Tensor:
@@ -376,24 +389,28 @@ class LMHead(nn.Linear):
 
     def _usable(self, x: torch.Tensor) -> bool:
         w = self.weight
-        return (self._packing and x.device.type == "cpu" and w.dtype == x.dtype == torch.float32
+        return (self._packing and torch.backends.mkldnn.enabled and x.device.type == "cpu"
+                and w.dtype == x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
 
     def pack(self) -> bool:
         """Lay the weight out for oneDNN, again if it has changed since; whether a packed copy is in place
-        (False on other devices and dtypes, or where packing is unavailable)."""
+        (none on other devices and dtypes, or where packing is unavailable)."""
         w = self.weight
         if not (self._packing and w.device.type == "cpu" and w.dtype == torch.float32):
+            self._drop_packed()
             return False
+        version = w._version if not w.is_inference() else 0   # (an inference tensor carries no version)
+        held = self._packed_of
+        if held is not None and held[0].data_ptr() == w.data_ptr() and held[1] == version:
+            return True
+        self._drop_packed()
         try:
-            key = (w.data_ptr(), w._version if not w.is_inference() else 0)   # (inference tensors are never
-            # changed in place outside inference mode, and carry no version)
-            if self._packed_key != key:
-                self._packed_key, self._packed_weight = None, None
-                self._packed_weight, self._packed_key = self._reorder(w.detach()), key
+            self._packed_weight = self._reorder(w.detach())
         except RuntimeError as exc:
             self._unavailable(exc)
             return False
+        self._packed_of = (w.detach(), version)
         return True
 
     def _unavailable(self, exc: Exception) -> None:
@@ -401,7 +418,7 @@ class LMHead(nn.Linear):
 
         logging.getLogger(__name__).warning("prepacked lm_head unavailable, using F.linear: %s", exc)
         type(self)._packing = False
-        self._packed_key, self._packed_weight = None, None
+        self._drop_packed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -412,8 +429,8 @@ class LMHead(nn.Linear):
                 return F.linear(x, w)
             y = packed_linear(x.reshape(-1, x.shape[-1]), self._packed_weight, w.shape[0])
             return y.reshape(*x.shape[:-1], w.shape[0])
-        if not x.numel() or not self.pack():
-            return F.linear(x, w)
+        if not x.numel() or x.shape[-1] != w.shape[1] or not self.pack():
+            return F.linear(x, w)   # (which raises on a wrong shape)
         try:
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed_weight, None, "none",
                                                    [], "")
