@@ -370,7 +370,7 @@ def test_each_forward_checks_the_number_of_drafts_that_yields_the_most_tokens_pe
     bare = seq(0.9)
     bare.drafts = None
     both, looked = [seq(0.3), bare], [[], []]
-    assert fixed.drafts_to_check(both, looked=looked, use=[fixed.use_looked(s, x) for s, x in zip(both, looked, strict=True)]) == 0
+    assert fixed.drafts_to_check(both, looked=looked) == 0     # (use: use_looked, the default)
     bare.lookup_hit = 0.5                                          # ... and drafts from the context where it has some
     assert fixed.drafts_to_check(both, looked=[[], [7] * 4], use=[False, True]) == 4
 

@@ -20,6 +20,7 @@ H GDN value heads, K / V GDN key / value dims, Q conv channels, W conv width, R 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from clover.model.gdn import (
     valid_mask,
 )
 from clover.model.moe import SparseMoE, load_balancing_loss
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -414,9 +417,7 @@ class LMHead(nn.Linear):
         return True
 
     def _unavailable(self, exc: Exception) -> None:
-        import logging
-
-        logging.getLogger(__name__).warning("prepacked lm_head unavailable, using F.linear: %s", exc)
+        logger.warning("prepacked lm_head unavailable, using F.linear: %s", exc)
         type(self)._packing = False
         self._drop_packed()
 
@@ -769,9 +770,7 @@ class CloverForCausalLM(nn.Module):
             for x, copy in zip(views[2] + views[3], saved, strict=True):
                 if x is not None:
                     x.copy_(copy)
-            import logging
-
-            logging.getLogger(__name__).warning("compiled decoding passes unavailable, decoding eagerly: %s", exc)
+            logger.warning("compiled decoding passes unavailable, decoding eagerly: %s", exc)
             self._compiled = {}
             return None
         self._compiled_ran.add(name)
