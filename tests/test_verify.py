@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from clover.engine.engine import Engine
-from clover.engine.policies import VerifyPolicy, lookup_drafts, lookup_match
+from clover.engine.policies import ContextLookup, VerifyPolicy, lookup_drafts, lookup_match
 from clover.engine.sampling import SamplingParams
 from clover.engine.sequence import NO_DRAFT, SequenceState
 from clover.engine.trace import trace_data
@@ -664,6 +664,23 @@ def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffi
     assert lookup_drafts(np.array([7, 7, 7]), 4) == [7, 7, 7, 7]
     assert lookup_drafts(np.array([4]), 2) == [] and lookup_drafts(np.array([], dtype=np.int64), 2) == []
 
+
+
+def test_context_lookup_equals_lookup_match_as_the_context_grows():
+    """The incremental index the decoder keeps gives what the full scan gives, step by step: small
+    vocabularies (many repeats, loops into the context's end), every suffix range, tokens arriving one or
+    several at a time, an empty start."""
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        vocab = int(rng.choice([2, 3, 8, 100]))
+        shortest = int(rng.integers(1, 3))
+        longest = int(rng.integers(shortest, 5))
+        lookup = ContextLookup(rng.integers(0, vocab, int(rng.integers(0, 20))).tolist(), longest, shortest)
+        for _ in range(15):
+            k = int(rng.integers(1, 9))
+            ref = lookup_match(np.asarray(lookup.tokens, dtype=np.int64), k, longest, shortest)
+            assert lookup.match(k) == ref, (lookup.tokens, k, longest, shortest)
+            lookup.tokens += rng.integers(0, vocab, int(rng.integers(0, 4))).tolist()
 
 def test_lookup_drafts_are_offered_to_greedy_requests_and_checked_where_they_are_kept_more(model):
     """Greedy requests draft from the context (sampled ones do not, and `lookup=False` turns it off); the

@@ -4,12 +4,15 @@ the decoding state of one running sequence (shared by the engine and the decodin
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from clover.engine.sampling import SamplingParams, TokenLogprob
 from clover.engine.structured import Matcher, Pending
+
+if TYPE_CHECKING:
+    from clover.engine.policies import ContextLookup
 
 
 @dataclass
@@ -145,6 +148,6 @@ class SequenceState:
     draft_hit: float = 0.5                     # running estimate of how often a draft is kept
     lookup_hit: float = 0.5                    # the same for drafts from the context (`lookup_drafts`)
     lookup_found: float = 0.5                  # running estimate of how often the context offers drafts
-    prompt_array: np.ndarray | None = None     # the prompt's ids for `lookup_drafts`
+    context: ContextLookup | None = None       # prompt and output so far, indexed for `lookup_drafts`
     skipped: int = 0                           # previews skipped in a row
     skip_limit: int = 1                        # how many in a row before the next probe preview
