@@ -131,6 +131,13 @@ def delta_rule_kept(
     return with `return_written`) and log decays g [N,T,H]: with G_t = g_1 + ... + g_t and c = counts[n],
     S_c = exp(G_c) S_0 + sum_{s<=c} exp(G_c - G_s) k_s w_s^T. A written row depends only on the steps
     before it, so those of a check hold for any prefix of it. No step kept: S_0 as it was."""
+    scale, added = kept_terms(k, w, g, counts)
+    return scale[..., None, None] * state.float() + added
+
+
+def kept_terms(k: torch.Tensor, w: torch.Tensor, g: torch.Tensor, counts: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_rule_kept`'s S_c = scale * S_0 + added, without the state: (exp(G_c) [N,H], the sum [N,H,K,V])."""
     n, t = g.shape[:2]
     cum = g.float().cumsum(1)                                                   # G_t [N,T,H]
     last = (counts - 1).clamp(min=0)
@@ -138,7 +145,7 @@ def delta_rule_kept(
     kept = torch.arange(t, device=g.device)[None, :] < counts[:, None]                            # [N,T]
     decay = (at_end[:, None] - cum).masked_fill(~kept[..., None], float("-inf")).exp()           # [N,T,H]
     scaled = (k.float() * decay[..., None]).permute(0, 2, 3, 1)                                  # [N,H,K,T]
-    return at_end.exp()[..., None, None] * state.float() + scaled @ w.float().transpose(1, 2)
+    return at_end.exp(), scaled @ w.float().transpose(1, 2)
 
 
 # -- short convolutions ----------------------------------------------------------------------------
