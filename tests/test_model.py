@@ -248,7 +248,8 @@ def test_from_scratch_defaults_open_every_gdn_gate_of_tiny_wide():
 
 def test_logits_of_the_rows_a_decoder_reads_equal_the_full_pass_and_the_rest_are_zero(debug_model):
     """`masked_only` (preview, and the fused pass's block) runs the LM head on the mask slots within each
-    row's length only; a check's padded rows skip it too. The rows computed equal the full pass's."""
+    row's length only; a check's padded rows skip it too, and the experts. The rows computed equal the full
+    pass's."""
     mask_id = debug_model.config.mask_token_id
     with torch.no_grad():
         cache = debug_model.new_cache(3)
@@ -274,8 +275,12 @@ def test_logits_of_the_rows_a_decoder_reads_equal_the_full_pass_and_the_rest_are
 
         drafts, check_lengths = torch.randint(0, 500, (3, 6)), torch.tensor([6, 2, 4])
         valid = torch.arange(6)[None, :] < check_lengths[:, None]
+        seen: list[int] = []   # positions through the experts: the check's padding skips them
+        hook = debug_model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
         checked, _ = debug_model.check(drafts, cache, lengths=check_lengths)
+        hook.remove()
         plain = debug_model.causal(drafts, cache.select([0, 1, 2]), lengths=check_lengths)
+        assert seen == [int(valid.sum())]
         assert_close(checked[valid], plain[valid], atol=ATOL, what="check rows")
         assert not checked[~valid].any()
 

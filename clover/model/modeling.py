@@ -609,14 +609,23 @@ class CloverForCausalLM(nn.Module):
             raise ValueError(f"rows must be distinct, got {rows.tolist()}")
         return rows
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mixer: Mixer) -> tuple[torch.Tensor, list]:
-        """Embed, run every layer with `mixer` as its token mixer, final norm. Returns (h, router logits)."""
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mixer: Mixer, used: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, list]:
+        """Embed, run every layer with `mixer` as its token mixer, final norm. Returns (h, router logits).
+        `used` [N,T] bool: the mixture of experts runs on those positions only (the others' outputs are
+        zero and their router logits left out: padding whose results nobody reads)."""
         h = self.model.embed_tokens(ids)
         rope = self.rotary(positions, h.dtype)
+        at = None if used is None else used.nonzero(as_tuple=True)
         router_logits = []
         for i, layer in enumerate(self.model.layers):
             h = h + mixer(i, layer, layer.input_layernorm(h), rope)
-            y, logits = layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            if at is None:
+                y, logits = layer.mlp(x)
+            else:
+                y = torch.zeros_like(x)
+                y[at], logits = layer.mlp(x[at])
             router_logits.append(logits)
             h = h + y
         return self.model.norm(h), router_logits
@@ -703,7 +712,12 @@ class CloverForCausalLM(nn.Module):
                 cache.set_gdn(i, rows, res.state, res.ring)
             return res.out
 
-        h, router_logits = self._run(input_ids, past[:, None] + steps[None, :], mixer)
+        # padding (rows of different lengths: a check's drafts, prompts admitted together) skips the experts, which
+        # hold most of a position's products, where no logits of it are returned (nor read by later positions)
+        used = valid_mask(lengths, t) if t > 1 and logits in ("valid", "last", "none") else None
+        if used is not None and bool(used.all()):
+            used = None
+        h, router_logits = self._run(input_ids, past[:, None] + steps[None, :], mixer, used)
         if write and not kv_only:
             cache.advance(rows, lengths)
         if logits == "train":
