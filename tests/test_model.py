@@ -281,6 +281,8 @@ def test_logits_of_the_rows_a_decoder_reads_equal_the_full_pass_and_the_rest_are
         hook.remove()
         plain = debug_model.causal(drafts, cache.select([0, 1, 2]), lengths=check_lengths)
         assert seen == [int(valid.sum())]
+        empty = debug_model.causal(drafts[:2], None, lengths=torch.tensor([0, 0]), logits="last")   # nothing valid
+        assert empty.shape == (2, debug_model.config.vocab_size) and torch.isfinite(empty).all()
         assert_close(checked[valid], plain[valid], atol=ATOL, what="check rows")
         assert not checked[~valid].any()
 

@@ -665,7 +665,6 @@ def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffi
     assert lookup_drafts(np.array([4]), 2) == [] and lookup_drafts(np.array([], dtype=np.int64), 2) == []
 
 
-
 def test_context_lookup_equals_lookup_match_as_the_context_grows():
     """The incremental index the decoder keeps gives what the full scan gives, step by step: small
     vocabularies (many repeats, loops into the context's end), every suffix range, tokens arriving one or
@@ -679,8 +678,11 @@ def test_context_lookup_equals_lookup_match_as_the_context_grows():
         for _ in range(15):
             k = int(rng.integers(1, 9))
             ref = lookup_match(np.asarray(lookup.tokens, dtype=np.int64), k, longest, shortest)
-            assert lookup.match(k) == ref, (lookup.tokens, k, longest, shortest)
+            got = lookup.match(k)
+            assert got == ref, (lookup.tokens, k, longest, shortest)
+            assert all(type(x) is int for x in got[0] + ref[0])   # plain ints, as token lists are
             lookup.tokens += rng.integers(0, vocab, int(rng.integers(0, 4))).tolist()
+
 
 def test_lookup_drafts_are_offered_to_greedy_requests_and_checked_where_they_are_kept_more(model):
     """Greedy requests draft from the context (sampled ones do not, and `lookup=False` turns it off); the

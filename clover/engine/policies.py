@@ -349,20 +349,23 @@ def lookup_match(context: np.ndarray, k: int, longest: int = 4, shortest: int = 
             found &= context[i: t - n + i] == context[t - n + i]
         hits = np.flatnonzero(found)
         if len(hits):
-            return _continuation(context[int(hits[-1]) + n:].tolist(), k), n
+            return _continuation(context, int(hits[-1]) + n, k), n
     return [], 0
 
 
-def _continuation(after: list[int], k: int) -> list[int]:
-    """The k tokens after an occurrence (`after`: the context from there on), its loop repeated where the
-    context ends sooner."""
-    return after[:k] if len(after) >= k else [after[i % len(after)] for i in range(k)]
+def _continuation(context: list[int] | np.ndarray, start: int, k: int) -> list[int]:
+    """The k tokens of `context` from `start` on (what followed an occurrence), the loop from `start` to the
+    context's end repeated where the context ends sooner."""
+    after = context[start: start + k]
+    after = after.tolist() if isinstance(after, np.ndarray) else after
+    period = len(context) - start
+    return after if len(after) >= k else [after[i % period] for i in range(k)]
 
 
 class ContextLookup:
-    """`lookup_match` over a context that only grows, in time independent of its length: for each suffix
-    length n, the last start of every n-gram that is not the context's own suffix, extended as tokens
-    arrive (a scan of the whole context per step cost ~50 us a sequence, 2% of a batch-8 step)."""
+    """`lookup_match` over a context that only grows, indexed as it grows: for each suffix length n, the last
+    start of every n-gram that is not the context's own suffix (a scan of the whole context per step cost
+    ~50 us a sequence, 2% of a batch-8 step; indexing a prompt of 30,000 tokens takes ~20-45 ms, once)."""
 
     def __init__(self, tokens: list[int] | None = None, longest: int = 4, shortest: int = 1) -> None:
         self.tokens: list[int] = list(tokens or [])
@@ -374,13 +377,14 @@ class ContextLookup:
         """What `lookup_match(np.asarray(self.tokens), k, longest, shortest)` returns."""
         toks, t = self.tokens, len(self.tokens)
         for n in range(min(self.longest, t - 1), self.shortest - 1, -1):
-            last = self._last[n]
-            for s in range(self._indexed[n], t - n):           # the n-grams before the suffix's, latest last
-                last[tuple(toks[s: s + n])] = s
-            self._indexed[n] = max(self._indexed[n], t - n)
-            s = last.get(tuple(toks[t - n:]))
+            first, stop = self._indexed[n], t - n       # the n-grams starting in [first, stop): before the suffix's
+            if stop > first:   # in order, so that each n-gram's entry ends at its last start
+                grams = zip(*(toks[first + i: stop + i] for i in range(n)), strict=False)
+                self._last[n].update(zip(grams, range(first, stop), strict=False))
+                self._indexed[n] = stop
+            s = self._last[n].get(tuple(toks[t - n:]))
             if s is not None:
-                return _continuation(toks[s + n:], k), n
+                return _continuation(toks, s + n, k), n
         return [], 0
 
 

@@ -715,7 +715,7 @@ class CloverForCausalLM(nn.Module):
         # padding (rows of different lengths: a check's drafts, prompts admitted together) skips the experts, which
         # hold most of a position's products, where no logits of it are returned (nor read by later positions)
         used = valid_mask(lengths, t) if t > 1 and logits in ("valid", "last", "none") else None
-        if used is not None and bool(used.all()):
+        if used is not None and int(used.sum()) in (0, used.numel()):   # (no padding; or nothing valid at all)
             used = None
         h, router_logits = self._run(input_ids, past[:, None] + steps[None, :], mixer, used)
         if write and not kv_only:
@@ -746,7 +746,8 @@ class CloverForCausalLM(nn.Module):
         each where its rows are all or a slice and no `gdn_trace` is asked for. On 2 CPU
         cores the `ar` step takes about half the time (benchmarks/forward.py --compile). Each new shape
         class compiles once (tens of seconds to minutes on 2 cores; inductor keeps the result on disk for
-        the next process). The weights must not change afterwards. `enabled` False returns to eager
+        the next process). The weights and the modules' attributes must not change afterwards (the graphs hold the
+        weights, and do not guard on the modules). `enabled` False returns to eager
         passes. `warmup`: compile the `ar` step now, for one row and for several (`Engine.warm_up` builds
         every policy's passes). Should a pass fail to compile on its first call (no C++ compiler, an
         unsupported torch), the GDN rows it may have written are restored and every pass falls back to
@@ -760,7 +761,7 @@ class CloverForCausalLM(nn.Module):
             # no guards on the modules' attributes: the weights are frozen into the graphs already (they must
             # not change), and checking the modules' guards took ~0.2 of a compiled step's 4.8 ms (2 cores)
             options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        self._compiled = {name: torch.compile(fn, dynamic=True, options=options) for name, fn in
+        self._compiled = {name: torch.compile(fn, dynamic=True, options=dict(options)) for name, fn in   # (it pops keys)
                           (("step", self._steps), ("check", self._check_views), ("keep", self._keep_views),
                            ("preview", self._preview_views), ("fused", self._fused_views))}
         if warmup:
