@@ -759,7 +759,7 @@ class CloverForCausalLM(nn.Module):
         options: dict[str, object] = {"freezing": True, "cpp_wrapper": True}
         if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):   # (newer torch only)
             # no guards on the modules' attributes: the weights are frozen into the graphs already (they must
-            # not change), and checking the modules' guards took ~0.2 of a compiled step's 4.8 ms (2 cores)
+            # not change), and checking the modules' guards took ~0.2 ms of a compiled step's 4.8 (2 cores)
             options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         self._compiled = {name: torch.compile(fn, dynamic=True, options=dict(options)) for name, fn in   # (it pops keys)
                           (("step", self._steps), ("check", self._check_views), ("keep", self._keep_views),
