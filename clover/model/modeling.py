@@ -712,24 +712,25 @@ class CloverForCausalLM(nn.Module):
                 cache.set_gdn(i, rows, res.state, res.ring)
             return res.out
 
+        valid = valid_mask(lengths, t)
         # padding (rows of different lengths: a check's drafts, prompts admitted together) skips the experts, which
         # hold most of a position's products, where no logits of it are returned (nor read by later positions)
-        used = valid_mask(lengths, t) if t > 1 and logits in ("valid", "last", "none") else None
+        used = valid if t > 1 and logits in ("valid", "last", "none") else None
         if used is not None and int(used.sum()) in (0, used.numel()):   # (no padding; or nothing valid at all)
             used = None
         h, router_logits = self._run(input_ids, past[:, None] + steps[None, :], mixer, used)
         if write and not kv_only:
             cache.advance(rows, lengths)
         if logits == "train":
-            valid = (steps[None, :] < lengths[:, None]).reshape(-1)
-            aux = load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok, valid)
+            aux = load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok,
+                                      valid.reshape(-1))
             return h, aux
         if logits == "none":
             return None
         if logits == "last":
             h = h[torch.arange(n, device=h.device), (lengths - 1).clamp(min=0)]
         elif logits == "valid" and t > 1:
-            return self._head(h, valid_mask(lengths, t))
+            return self._head(h, valid)
         return self.lm_head(h)
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
