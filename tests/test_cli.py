@@ -134,12 +134,12 @@ def test_chat_session(text_model):
 def test_eval_tasks_reuses_kept_task_runs_only_for_the_same_weights_and_settings(tmp_path):
     """`clover eval tasks` resumes the harness runs it keeps next to --out; runs of other weights must
     not stand in for the model being evaluated."""
-    from clover.cli.evaluate import _fresh_unless_same, _weights_digest
+    from clover.cli.evaluate import _fresh_unless_same, weights_digest
 
     model = tmp_path / "m"
     assert cli_main(["init", str(model), "--preset", "debug"]) == 0
-    digest = _weights_digest(str(model))
-    assert len(digest) == 64 and digest == _weights_digest(str(model))
+    digest = weights_digest(str(model))
+    assert len(digest) == 64 and digest == weights_digest(str(model))
     runs = tmp_path / "tasks.json.runs"
     same = {"weights_sha256": digest, "count": 20, "condition": {"algorithm": "ar"}}
     _fresh_unless_same(runs, same)
@@ -150,10 +150,10 @@ def test_eval_tasks_reuses_kept_task_runs_only_for_the_same_weights_and_settings
     weights = next(model.glob("*.safetensors"))
     data = weights.read_bytes()
     weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))               # other weights
-    _fresh_unless_same(runs, {**same, "weights_sha256": _weights_digest(str(model))})
+    _fresh_unless_same(runs, {**same, "weights_sha256": weights_digest(str(model))})
     assert not (runs / "thinking-off").exists()
     (runs / "thinking-off").mkdir()
-    _fresh_unless_same(runs, {**same, "weights_sha256": _weights_digest(str(model)), "count": 40})  # other settings
+    _fresh_unless_same(runs, {**same, "weights_sha256": weights_digest(str(model)), "count": 40})  # other settings
     assert not (runs / "thinking-off").exists()
 
 

@@ -83,7 +83,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _weights_digest(model_dir: str | None) -> str:
+def weights_digest(model_dir: str | None) -> str:
     """SHA-256 over a checkpoint's config and weight files: what makes its outputs what they are."""
     import hashlib
 
@@ -130,7 +130,7 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
     runs = []
     with tempfile.TemporaryDirectory() as tmp, serve_in_thread(app) as url:
         root = Path(args.out + ".runs") if args.out else Path(tmp)
-        _fresh_unless_same(root, {"weights_sha256": _weights_digest(args.model), "count": args.count,
+        _fresh_unless_same(root, {"weights_sha256": weights_digest(args.model), "count": args.count,
                                   "step_limit": args.step_limit, "max_tokens": args.max_tokens,
                                   "condition": condition})
         for thinking in [True, False] if args.thinking == "both" else [args.thinking == "on"]:

@@ -1,0 +1,145 @@
+"""Compare a candidate model with a baseline on validation seeds only, and apply a release rule.
+
+    python scripts/compare_models.py CANDIDATE [--baseline DIR] [--data data] [--out runs/compare]
+
+Both models are measured by the same code with the same settings (never on test seeds, which are kept for
+the figures of the model that is chosen):
+  turns        `clover eval turns --split val --tool-grammar`, pools train and heldout (--conversations each)
+  bpb          `clover eval bpb --split val`: bits per byte on code and English
+  match        `clover eval match --split val --thresholds 0.95`: low_confidence's TPF and per-token match
+Each result is written to OUT/<first 16 hex digits of the weights' SHA-256>/<evaluation>.json, with the
+settings it was made with, and reused only for the same weights and settings (the figures are greedy and
+deterministic, so a baseline need not be measured again for every candidate).
+
+The rule (the defaults are the one written for the clover-tiny releases, docs/measurements.md): the
+candidate replaces the baseline iff
+  its turns gain at least --turns-gain points on both pools, or hold on both pools while its code bits
+  per byte fall to at most --bpb-code-better x the baseline's;
+  and its bits per byte are at most --bpb-code x (code) and --bpb-english x (English) the baseline's;
+  and low_confidence's TPF at 0.95 is at least --tpf x, its per-token match at least the baseline's
+  minus --match-drop.
+Prints a table and the verdict, then one JSON line; exits 0 either way (the verdict is in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def measure(model_dir: str | None, data: str, out: Path, conversations: int, prompts: int) -> dict:
+    """Every figure the rule reads for one model, from OUT's files where the same weights made them."""
+    from clover.cli.evaluate import weights_digest
+    from clover.model.checkpoint import load_for_generation
+    from clover.training import scores
+
+    digest = weights_digest(model_dir)
+    root = out / digest[:16]
+    root.mkdir(parents=True, exist_ok=True)
+    loaded = None
+
+    def cached(name: str, settings: dict, compute: Callable) -> dict:
+        nonlocal loaded
+        path = root / f"{name}.json"
+        if path.is_file():
+            kept = json.loads(path.read_text())
+            if kept.get("settings") == settings and kept.get("weights_sha256") == digest:
+                return kept["result"]
+        if loaded is None:
+            loaded = load_for_generation(model_dir, "float32", "cpu")
+        t0 = time.perf_counter()
+        result = compute(loaded.model, loaded.tokenizer)
+        print(f"  {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"weights_sha256": digest, "model": str(model_dir or "shipped"),
+                                   "settings": settings, "result": result}, indent=2) + "\n")
+        os.replace(tmp, path)
+        return result
+
+    figures: dict = {"model": str(model_dir or "shipped"), "weights_sha256": digest}
+    for pool in ("train", "heldout"):
+        settings = {"count": conversations, "split": "val", "pool": pool, "tool_grammar": True}
+        r = cached(f"turns_{pool}", settings, lambda m, t, s=settings: scores.turn_accuracy(m, t, **s))
+        figures[f"turns_{pool}"] = r["exact"]
+        figures[f"turns_{pool}_n"] = r["turns"]
+    settings = {"kinds": ["code", "english"], "split": "val"}
+    r = cached("bpb", settings, lambda m, t: [scores.bits_per_byte(m, t, data, k, "val") for k in settings["kinds"]])
+    for row in r:
+        figures[f"bpb_{row['kind']}"] = row["model_bits_per_byte"]
+    settings = {"count": prompts, "thresholds": [0.95], "split": "val"}
+    r = cached("match", settings, lambda m, t: scores.continuation_match(m, t, data, prompts, thresholds=(0.95,),
+                                                                        split="val"))
+    rows = {(x["algorithm"], x["threshold"]): x for x in r["results"]}
+    figures["lc_tpf"], figures["lc_match"] = rows["low_confidence", 0.95]["tpf"], rows["low_confidence", 0.95]["match"]
+    figures["ar_match"], figures["verify_tpf"] = rows["ar", None]["match"], rows["verify", None]["tpf"]
+    return figures
+
+
+def verdict(cand: dict, base: dict, a: argparse.Namespace) -> tuple[bool, list[tuple[str, bool]]]:
+    """Whether the candidate replaces the baseline, and each condition with its outcome."""
+    # (rounded: a bound met exactly must not fail on the last bit of a float)
+    gain = [round(100 * (cand[f"turns_{p}"] - base[f"turns_{p}"]), 6) for p in ("train", "heldout")]
+    code = round(cand["bpb_code"] / base["bpb_code"], 6)
+    english = round(cand["bpb_english"] / base["bpb_english"], 6)
+    tpf = round(cand["lc_tpf"] / base["lc_tpf"], 6)
+    match = round(cand["lc_match"] - base["lc_match"], 6)
+    turns = (min(gain) >= a.turns_gain) or (min(gain) >= 0 and code <= a.bpb_code_better)
+    checks = [
+        (f"turns {gain[0]:+.1f} / {gain[1]:+.1f} points (>= {a.turns_gain} on both, or >= 0 on both with code bpb "
+         f"<= {a.bpb_code_better}x)", turns),
+        (f"code bpb {code:.3f}x (<= {a.bpb_code}x)", code <= a.bpb_code),
+        (f"English bpb {english:.3f}x (<= {a.bpb_english}x)", english <= a.bpb_english),
+        (f"lc0.95 TPF {tpf:.3f}x (>= {a.tpf}x)", tpf >= a.tpf),
+        (f"lc0.95 match {match:+.3f} (>= -{a.match_drop})", match >= -a.match_drop),
+    ]
+    return all(ok for _, ok in checks), checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("candidate")
+    p.add_argument("--baseline", default=None, help="checkpoint (default: the shipped model)")
+    p.add_argument("--data", default="data", help="directory from `clover data build`")
+    p.add_argument("--out", default="runs/compare")
+    p.add_argument("--conversations", type=int, default=120, help="agent conversations per pool")
+    p.add_argument("--prompts", type=int, default=48, help="code continuations")
+    p.add_argument("--turns-gain", type=float, default=2.0)
+    p.add_argument("--bpb-code-better", type=float, default=0.98)
+    p.add_argument("--bpb-code", type=float, default=1.01)
+    p.add_argument("--bpb-english", type=float, default=1.03)
+    p.add_argument("--tpf", type=float, default=0.9)
+    p.add_argument("--match-drop", type=float, default=0.05)
+    a = p.parse_args(argv)
+    for d in (a.candidate, a.baseline):
+        if d is not None and not (Path(d) / "config.json").is_file():
+            p.error(f"{d}: not a checkpoint directory (no config.json)")
+    if not (Path(a.data) / "tokens").is_dir():
+        p.error(f"{a.data}: no token shards (run `clover data build --out {a.data}` first)")
+    out = Path(a.out)
+    print("== baseline", file=sys.stderr)
+    base = measure(a.baseline, a.data, out, a.conversations, a.prompts)
+    print("== candidate", file=sys.stderr)
+    cand = measure(a.candidate, a.data, out, a.conversations, a.prompts)
+    keys = ("turns_train", "turns_heldout", "bpb_code", "bpb_english", "lc_tpf", "lc_match", "ar_match", "verify_tpf")
+    print(f"{'':16}{'baseline':>12}{'candidate':>12}")
+    for k in keys:
+        print(f"{k:16}{base[k]:12.4f}{cand[k]:12.4f}")
+    replace, checks = verdict(cand, base, a)
+    for text, ok in checks:
+        print(f"  [{'x' if ok else ' '}] {text}")
+    print("verdict:", "replace the baseline" if replace else "keep the baseline")
+    print(json.dumps({"baseline": base, "candidate": cand, "replace": replace,
+                      "checks": [{"condition": t, "holds": ok} for t, ok in checks]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
