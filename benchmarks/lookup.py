@@ -1,7 +1,7 @@
 """How many tokens per check would drafts from the context give? An offline count on `ar`'s own outputs.
 
 For each prompt set the model's greedy `ar` output is decoded once; then, position by position, the
-drafts `lookup_drafts` would offer there (what followed the last earlier occurrence of the text's last
+drafts `ContextLookup` would offer there (what followed the last earlier occurrence of the text's last
 4..1 tokens, up to the window) are compared with what `ar` wrote: a check yields the drafts that agree
 plus one token, so tokens per check is the TPF `verify` would reach drafting only from the context.
 Prompt sets: 8 `code` openings and the 8 `agent` prompts of benchmarks/decode.py, and the assistant turns
@@ -55,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint (default: the shipped model)")
     parser.add_argument("--windows", default="4,8")
-    parser.add_argument("--shortest", default="1", help="shortest suffixes matched (lookup_drafts' `shortest`)")
+    parser.add_argument("--shortest", default="1", help="shortest suffixes matched (`lookup_match`'s `shortest`)")
     args = parser.parse_args()
     loaded = load_for_generation(args.model, "float32", "cpu")
     model, tok = loaded.model, loaded.tokenizer

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from clover.engine.engine import Engine
-from clover.engine.policies import ContextLookup, VerifyPolicy, lookup_drafts, lookup_match
+from clover.engine.policies import ContextLookup, VerifyPolicy, lookup_match
 from clover.engine.sampling import SamplingParams
 from clover.engine.sequence import NO_DRAFT, SequenceState
 from clover.engine.trace import trace_data
@@ -652,17 +652,18 @@ def test_new_sequences_start_from_what_earlier_ones_found(model):
     assert s.lookup_hit == 0.5 + policy._RATE * 0.5
     assert policy.prior["lookup_hit"] == pytest.approx(before["lookup_hit"] + policy._PRIOR * (1 - before["lookup_hit"]))
 
-def test_lookup_drafts_continue_the_last_earlier_occurrence_of_the_longest_suffix():
+
+def test_lookup_match_continues_the_last_earlier_occurrence_of_the_longest_suffix():
     ctx = np.array([5, 1, 2, 3, 9, 1, 2, 4, 7, 8, 1, 2])
-    assert lookup_drafts(ctx, 3) == [4, 7, 8]            # "1 2" last seen before "4 7 8" (not "3 9")
-    assert lookup_drafts(ctx, 3, longest=1) == [4, 7, 8]  # "2" alone: the same occurrence
-    assert lookup_drafts(ctx, 3, shortest=2) == [4, 7, 8] and lookup_drafts(ctx, 3, shortest=3) == []  # "8 1 2" is new
+    assert lookup_match(ctx, 3)[0] == [4, 7, 8]            # "1 2" last seen before "4 7 8" (not "3 9")
+    assert lookup_match(ctx, 3, longest=1)[0] == [4, 7, 8]  # "2" alone: the same occurrence
+    assert lookup_match(ctx, 3, shortest=2)[0] == [4, 7, 8] and lookup_match(ctx, 3, shortest=3)[0] == []  # "8 1 2" is new
     assert lookup_match(ctx, 3) == ([4, 7, 8], 2) and lookup_match(np.array([1, 2, 3]), 2) == ([], 0)
-    assert lookup_drafts(np.array([3, 1, 2, 0, 1, 2, 3, 1, 2]), 2) == [0, 1]   # "3 1 2" beats "1 2"
-    assert lookup_drafts(np.array([1, 2, 3]), 4) == []    # the last token is new
-    assert lookup_drafts(np.array([4, 6, 4]), 5) == [6, 4, 6, 4, 6]   # up to the end, then the loop again
-    assert lookup_drafts(np.array([7, 7, 7]), 4) == [7, 7, 7, 7]
-    assert lookup_drafts(np.array([4]), 2) == [] and lookup_drafts(np.array([], dtype=np.int64), 2) == []
+    assert lookup_match(np.array([3, 1, 2, 0, 1, 2, 3, 1, 2]), 2)[0] == [0, 1]   # "3 1 2" beats "1 2"
+    assert lookup_match(np.array([1, 2, 3]), 4)[0] == []    # the last token is new
+    assert lookup_match(np.array([4, 6, 4]), 5)[0] == [6, 4, 6, 4, 6]   # up to the end, then the loop again
+    assert lookup_match(np.array([7, 7, 7]), 4)[0] == [7, 7, 7, 7]
+    assert lookup_match(np.array([4]), 2)[0] == [] and lookup_match(np.array([], dtype=np.int64), 2)[0] == []
 
 
 def test_context_lookup_equals_lookup_match_as_the_context_grows():

@@ -21,7 +21,7 @@ is one new class added to `POLICIES`.
   temperature > 0). Nothing of a rejected draft reaches the cache. Drafts are checked only where the
   tokens a check is expected to keep pay for its cost over an `ar` step; elsewhere the forward is one.
   In a block decoded without a preview (one not worth its cost), greedy requests draft from their own
-  context instead (`lookup_drafts`: what followed the last earlier occurrence of the text's last few
+  context instead (`ContextLookup`: what followed the last earlier occurrence of the text's last few
   tokens), which costs no forward: agents copy arguments, paths and code they have read. A previewed
   block checks its context's drafts instead of the preview's where those have been kept more often.
 
@@ -330,11 +330,6 @@ class LowConfidence(_Blocks):
             ))
 
 
-def lookup_drafts(context: np.ndarray, k: int, longest: int = 4, shortest: int = 1) -> list[int]:
-    """`lookup_match`'s drafts."""
-    return lookup_match(context, k, longest, shortest)[0]
-
-
 def lookup_match(context: np.ndarray, k: int, longest: int = 4, shortest: int = 1) -> tuple[list[int], int]:
     """(drafts, n): drafts from the context itself (prompt lookup, as n-gram speculation in vLLM): the k tokens that
     followed the last earlier occurrence of the context's final n tokens, for the largest n <= `longest`
@@ -421,7 +416,7 @@ class VerifyPolicy(_Blocks):
     whatever the timings.
 
     A block decoded without a preview has no drafts of its own; a greedy sequence then
-    drafts from its context (`lookup` on: `lookup_drafts`, up to `window` tokens, within the block), with
+    drafts from its context (`lookup` on: `ContextLookup`, up to `window` tokens, within the block), with
     its own running estimate of how often those are kept (`lookup_hit`), and the same choice of how many
     to check. Such drafts cost nothing to make, and the check decides as for any draft. A previewed block
     checks them too, instead of the preview's, where they have been kept more often (`use_looked`: on
@@ -592,7 +587,7 @@ class VerifyPolicy(_Blocks):
             self.next_block(engine, done, events, n)
 
     def looked_up(self, s: SequenceState) -> list[int]:
-        """Drafts from the sequence's context for the slots after its verified ones (`lookup_drafts`, at
+        """Drafts from the sequence's context for the slots after its verified ones (`ContextLookup`, at
         most `window`, within the block), where the request is greedy; else [].
         Under a grammar the check masks each draft's row, so a draft the grammar forbids is rejected there."""
         if not self.lookup or not s.params.greedy:

@@ -146,8 +146,8 @@ class SequenceState:
     verified: int = 0                          # verified slots of the block (a prefix; `resolved` as a count)
     behind: torch.Tensor | None = None
     draft_hit: float = 0.5                     # running estimate of how often a draft is kept
-    lookup_hit: float = 0.5                    # the same for drafts from the context (`lookup_drafts`)
+    lookup_hit: float = 0.5                    # the same for drafts from the context (`ContextLookup`)
     lookup_found: float = 0.5                  # running estimate of how often the context offers drafts
-    context: ContextLookup | None = None       # prompt and output so far, indexed for `lookup_drafts`
+    context: ContextLookup | None = None       # prompt and output so far, indexed for drafts from the context
     skipped: int = 0                           # previews skipped in a row
     skip_limit: int = 1                        # how many in a row before the next probe preview
