@@ -24,6 +24,7 @@ Prints a table and the verdict, then one JSON line; exits 0 either way (the verd
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -40,6 +41,7 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
     from clover.cli.evaluate import weights_digest
     from clover.model.checkpoint import load_for_generation
     from clover.training import scores
+    from clover.training.agent_data import training_tasks
 
     digest = weights_digest(model_dir)
     root = out / digest[:16]
@@ -65,16 +67,24 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
         return result
 
     figures: dict = {"model": str(model_dir or "shipped"), "weights_sha256": digest}
+    # what else makes the figures: the conversations the generator draws and the validation shards (a
+    # figure kept from other ones is measured again)
+    shards = hashlib.sha256()
+    for kind in ("code", "english"):
+        shards.update((Path(data) / "tokens" / f"val_{kind}.bin").read_bytes())
     for pool in ("train", "heldout"):
+        tasks = hashlib.sha256(json.dumps([[t.messages, t.tools] for t in training_tasks("val", conversations, pool)],
+                                          sort_keys=True, default=str).encode()).hexdigest()
         settings = {"count": conversations, "split": "val", "pool": pool, "tool_grammar": True}
-        r = cached(f"turns_{pool}", settings, lambda m, t, s=settings: scores.turn_accuracy(m, t, **s))
+        r = cached(f"turns_{pool}", settings | {"tasks_sha256": tasks},
+                   lambda m, t, s=settings: scores.turn_accuracy(m, t, **s))
         figures[f"turns_{pool}"] = r["exact"]
         figures[f"turns_{pool}_n"] = r["turns"]
-    settings = {"kinds": ["code", "english"], "split": "val"}
+    settings = {"kinds": ["code", "english"], "split": "val", "shards_sha256": shards.hexdigest()}
     r = cached("bpb", settings, lambda m, t: [scores.bits_per_byte(m, t, data, k, "val") for k in settings["kinds"]])
     for row in r:
         figures[f"bpb_{row['kind']}"] = row["model_bits_per_byte"]
-    settings = {"count": prompts, "thresholds": [0.95], "split": "val"}
+    settings = {"count": prompts, "thresholds": [0.95], "split": "val", "shards_sha256": shards.hexdigest()}
     r = cached("match", settings, lambda m, t: scores.continuation_match(m, t, data, prompts, thresholds=(0.95,),
                                                                         split="val"))
     rows = {(x["algorithm"], x["threshold"]): x for x in r["results"]}

@@ -36,3 +36,37 @@ def rule(**overrides: float) -> bool:
 ])
 def test_the_rule_replaces_only_when_every_condition_holds(overrides: dict, replace: bool) -> None:
     assert rule(**overrides) is replace
+
+
+def test_figures_are_kept_per_weights_and_measured_again_when_their_inputs_change(tmp_path, monkeypatch):
+    from clover.model import checkpoint
+    from clover.training import scores
+
+    calls: list[str] = []
+    monkeypatch.setattr(checkpoint, "load_for_generation", lambda *a: argparse.Namespace(model=None, tokenizer=None))
+    monkeypatch.setattr(scores, "turn_accuracy", lambda m, t, **s: calls.append("turns") or {"exact": 0.25, "turns": 8})
+    monkeypatch.setattr(scores, "bits_per_byte", lambda m, t, d, kind, split: calls.append("bpb") or {
+        "kind": kind, "model_bits_per_byte": 1.5})
+    monkeypatch.setattr(scores, "continuation_match", lambda *a, **k: calls.append("match") or {"results": [
+        {"algorithm": "ar", "threshold": None, "match": 0.1, "tpf": 1.0},
+        {"algorithm": "low_confidence", "threshold": 0.95, "match": 0.1, "tpf": 1.1},
+        {"algorithm": "verify", "threshold": None, "match": 0.1, "tpf": 1.4}]})
+    model, data, out = tmp_path / "model", tmp_path / "data", tmp_path / "out"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    (data / "tokens").mkdir(parents=True)
+    for kind in ("code", "english"):
+        (data / "tokens" / f"val_{kind}.bin").write_bytes(bytes(range(10)))
+    first = compare.measure(str(model), str(data), out, 2, 4)
+    assert sorted(calls) == ["bpb", "bpb", "match", "turns", "turns"]
+    assert first["turns_train"] == 0.25 and first["lc_tpf"] == 1.1 and first["verify_tpf"] == 1.4
+    calls.clear()
+    assert compare.measure(str(model), str(data), out, 2, 4) == first and calls == []   # kept
+    (data / "tokens" / "val_code.bin").write_bytes(bytes(range(11)))                    # other shards
+    compare.measure(str(model), str(data), out, 2, 4)
+    assert sorted(calls) == ["bpb", "bpb", "match"]
+    calls.clear()
+    (model / "model.safetensors").write_bytes(b"other weights")                         # other weights
+    compare.measure(str(model), str(data), out, 2, 4)
+    assert len(calls) == 5 and len(list(out.iterdir())) == 2
