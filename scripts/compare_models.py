@@ -7,14 +7,16 @@ the figures of the model that is chosen):
   turns        `clover eval turns --split val --tool-grammar`, pools train and heldout (--conversations each)
   bpb          `clover eval bpb --split val`: bits per byte on code and English
   match        `clover eval match --split val --thresholds 0.95`: low_confidence's TPF and per-token match
-Each result is written to OUT/<first 16 hex digits of the weights' SHA-256>/<evaluation>.json, with the
-settings it was made with, and reused only for the same weights and settings (the figures are greedy and
-deterministic, so a baseline need not be measured again for every candidate).
+Each result is written to OUT/<first 16 hex digits of the weights' SHA-256>/<evaluation>.json with what made
+it: the weights, the model's tokenizer and chat template, the package's source, the settings, the
+conversations drawn and the data files read. It is reused only when all of those are the same (the figures
+are greedy and deterministic, so a baseline need not be measured again for every candidate).
 
-The rule (the defaults are the one written for the clover-tiny releases, docs/measurements.md): the
-candidate replaces the baseline iff
+The rule (the defaults: the one written before any of its figures for the recipe rebuilt from the opened-gate,
+slow-decay init, docs/measurements.md, session 29; earlier releases had rules of their own): the candidate
+replaces the baseline iff
   its turns gain at least --turns-gain points on both pools, or hold on both pools while its code bits
-  per byte fall to at most --bpb-code-better x the baseline's;
+  per byte fall to at most --bpb-code-better x the baseline's (0 turns this second way off);
   and its bits per byte are at most --bpb-code x (code) and --bpb-english x (English) the baseline's;
   and low_confidence's TPF at 0.95 is at least --tpf x, its per-token match at least the baseline's
   minus --match-drop.
@@ -28,6 +30,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,14 +39,28 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def _digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in paths:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+SOURCE = _digest(sorted([*(ROOT / "clover").rglob("*.py"), *(ROOT / "clover").rglob("*.jinja")]))
+
+
 def measure(model_dir: str | None, data: str, out: Path, conversations: int, prompts: int) -> dict:
-    """Every figure the rule reads for one model, from OUT's files where the same weights made them."""
+    """Every figure the rule reads for one model, from OUT's files where the same inputs made them."""
     from clover.cli.evaluate import weights_digest
-    from clover.model.checkpoint import load_for_generation
+    from clover.model.checkpoint import default_model_dir, load_for_generation
     from clover.training import scores
     from clover.training.agent_data import training_tasks
 
+    directory = Path(model_dir) if model_dir else default_model_dir()
     digest = weights_digest(model_dir)
+    identity = {"weights_sha256": digest, "source_sha256": SOURCE, "model_files_sha256": _digest(
+        [f for f in sorted(directory.iterdir()) if f.name.startswith("tokenizer") or f.suffix == ".jinja"])}
     root = out / digest[:16]
     root.mkdir(parents=True, exist_ok=True)
     loaded = None
@@ -53,25 +70,20 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
         path = root / f"{name}.json"
         if path.is_file():
             kept = json.loads(path.read_text())
-            if kept.get("settings") == settings and kept.get("weights_sha256") == digest:
+            if kept.get("settings") == settings and kept.get("identity") == identity:
                 return kept["result"]
         if loaded is None:
             loaded = load_for_generation(model_dir, "float32", "cpu")
         t0 = time.perf_counter()
         result = compute(loaded.model, loaded.tokenizer)
         print(f"  {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"weights_sha256": digest, "model": str(model_dir or "shipped"),
-                                   "settings": settings, "result": result}, indent=2) + "\n")
-        os.replace(tmp, path)
+        with tempfile.NamedTemporaryFile("w", dir=root, suffix=".tmp", delete=False) as f:
+            f.write(json.dumps({"identity": identity, "model": str(directory), "settings": settings,
+                                "result": result}, indent=2) + "\n")
+        os.replace(f.name, path)
         return result
 
-    figures: dict = {"model": str(model_dir or "shipped"), "weights_sha256": digest}
-    # what else makes the figures: the conversations the generator draws and the validation shards (a
-    # figure kept from other ones is measured again)
-    shards = hashlib.sha256()
-    for kind in ("code", "english"):
-        shards.update((Path(data) / "tokens" / f"val_{kind}.bin").read_bytes())
+    figures: dict = {"model": str(directory), "weights_sha256": digest}
     for pool in ("train", "heldout"):
         tasks = hashlib.sha256(json.dumps([[t.messages, t.tools] for t in training_tasks("val", conversations, pool)],
                                           sort_keys=True, default=str).encode()).hexdigest()
@@ -80,11 +92,13 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
                    lambda m, t, s=settings: scores.turn_accuracy(m, t, **s))
         figures[f"turns_{pool}"] = r["exact"]
         figures[f"turns_{pool}_n"] = r["turns"]
-    settings = {"kinds": ["code", "english"], "split": "val", "shards_sha256": shards.hexdigest()}
+    raw = _digest([Path(data) / "raw" / "val" / f"{kind}.jsonl" for kind in ("code", "english")])
+    settings = {"kinds": ["code", "english"], "split": "val", "raw_sha256": raw}
     r = cached("bpb", settings, lambda m, t: [scores.bits_per_byte(m, t, data, k, "val") for k in settings["kinds"]])
     for row in r:
         figures[f"bpb_{row['kind']}"] = row["model_bits_per_byte"]
-    settings = {"count": prompts, "thresholds": [0.95], "split": "val", "shards_sha256": shards.hexdigest()}
+    settings = {"count": prompts, "thresholds": [0.95], "split": "val",
+                "shard_sha256": _digest([Path(data) / "tokens" / "val_code.bin"])}
     r = cached("match", settings, lambda m, t: scores.continuation_match(m, t, data, prompts, thresholds=(0.95,),
                                                                         split="val"))
     rows = {(x["algorithm"], x["threshold"]): x for x in r["results"]}
@@ -103,17 +117,17 @@ def verdict(cand: dict, base: dict, a: argparse.Namespace) -> tuple[bool, list[t
     match = round(cand["lc_match"] - base["lc_match"], 6)
     turns = (min(gain) >= a.turns_gain) or (min(gain) >= 0 and code <= a.bpb_code_better)
     checks = [
-        (f"turns {gain[0]:+.1f} / {gain[1]:+.1f} points (>= {a.turns_gain} on both, or >= 0 on both with code bpb "
+        (f"turns {gain[0]:+.2f} / {gain[1]:+.2f} points (>= {a.turns_gain} on both, or >= 0 on both with code bpb "
          f"<= {a.bpb_code_better}x)", turns),
-        (f"code bpb {code:.3f}x (<= {a.bpb_code}x)", code <= a.bpb_code),
-        (f"English bpb {english:.3f}x (<= {a.bpb_english}x)", english <= a.bpb_english),
-        (f"lc0.95 TPF {tpf:.3f}x (>= {a.tpf}x)", tpf >= a.tpf),
-        (f"lc0.95 match {match:+.3f} (>= -{a.match_drop})", match >= -a.match_drop),
+        (f"code bpb {code:.4f}x (<= {a.bpb_code}x)", code <= a.bpb_code),
+        (f"English bpb {english:.4f}x (<= {a.bpb_english}x)", english <= a.bpb_english),
+        (f"lc0.95 TPF {tpf:.4f}x (>= {a.tpf}x)", tpf >= a.tpf),
+        (f"lc0.95 match {match:+.4f} (>= -{a.match_drop})", match >= -a.match_drop),
     ]
     return all(ok for _, ok in checks), checks
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("candidate")
     p.add_argument("--baseline", default=None, help="checkpoint (default: the shipped model)")
@@ -127,12 +141,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bpb-english", type=float, default=1.03)
     p.add_argument("--tpf", type=float, default=0.9)
     p.add_argument("--match-drop", type=float, default=0.05)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
-    for d in (a.candidate, a.baseline):
-        if d is not None and not (Path(d) / "config.json").is_file():
+    from clover.model.checkpoint import CheckpointError, _weight_files, default_model_dir
+
+    for d in (a.candidate, a.baseline or default_model_dir()):
+        if not (Path(d) / "config.json").is_file():
             p.error(f"{d}: not a checkpoint directory (no config.json)")
-    if not (Path(a.data) / "tokens").is_dir():
-        p.error(f"{a.data}: no token shards (run `clover data build --out {a.data}` first)")
+        try:
+            _weight_files(Path(d))
+        except CheckpointError as exc:
+            p.error(str(exc))
+    needed = [Path(a.data) / "tokens" / "val_code.bin",
+              *(Path(a.data) / "raw" / "val" / f"{kind}.jsonl" for kind in ("code", "english"))]
+    missing = [str(f) for f in needed if not f.is_file()]
+    if missing:
+        p.error(f"{a.data} lacks {', '.join(missing)} (run `clover data build --out {a.data}` first)")
     out = Path(a.out)
     print("== baseline", file=sys.stderr)
     base = measure(a.baseline, a.data, out, a.conversations, a.prompts)

@@ -16,8 +16,7 @@ BASE = {"turns_train": 0.20, "turns_heldout": 0.10, "bpb_code": 1.50, "bpb_engli
 
 
 def rule(**overrides: float) -> bool:
-    args = argparse.Namespace(turns_gain=2.0, bpb_code_better=0.98, bpb_code=1.01, bpb_english=1.03, tpf=0.9,
-                              match_drop=0.05)
+    args = compare.parser().parse_args(["candidate"])      # the defaults: the rule written for the candidate
     return compare.verdict({**BASE, **overrides}, BASE, args)[0]
 
 
@@ -56,17 +55,42 @@ def test_figures_are_kept_per_weights_and_measured_again_when_their_inputs_chang
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"weights")
     (data / "tokens").mkdir(parents=True)
+    (data / "raw" / "val").mkdir(parents=True)
     for kind in ("code", "english"):
         (data / "tokens" / f"val_{kind}.bin").write_bytes(bytes(range(10)))
+        (data / "raw" / "val" / f"{kind}.jsonl").write_text('{"text": "x"}\n')
     first = compare.measure(str(model), str(data), out, 2, 4)
     assert sorted(calls) == ["bpb", "bpb", "match", "turns", "turns"]
     assert first["turns_train"] == 0.25 and first["lc_tpf"] == 1.1 and first["verify_tpf"] == 1.4
-    calls.clear()
-    assert compare.measure(str(model), str(data), out, 2, 4) == first and calls == []   # kept
-    (data / "tokens" / "val_code.bin").write_bytes(bytes(range(11)))                    # other shards
-    compare.measure(str(model), str(data), out, 2, 4)
-    assert sorted(calls) == ["bpb", "bpb", "match"]
-    calls.clear()
-    (model / "model.safetensors").write_bytes(b"other weights")                         # other weights
-    compare.measure(str(model), str(data), out, 2, 4)
-    assert len(calls) == 5 and len(list(out.iterdir())) == 2
+
+    def again() -> list[str]:
+        calls.clear()
+        compare.measure(str(model), str(data), out, 2, 4)
+        return sorted(calls)
+
+    assert again() == []                                                      # all kept
+    (data / "tokens" / "val_english.bin").write_bytes(b"")                    # read by no figure
+    assert again() == []
+    (data / "tokens" / "val_code.bin").write_bytes(bytes(range(11)))          # the continuations' prompts
+    assert again() == ["match"]
+    (data / "raw" / "val" / "english.jsonl").write_text('{"text": "y"}\n')   # bits per byte's documents
+    assert again() == ["bpb", "bpb"]
+    (model / "tokenizer.json").write_text("{}")                               # the model's tokenizer
+    assert len(again()) == 5
+    assert again() == [] and compare.measure(str(model), str(data), out, 3, 4)["turns_train"] == 0.25
+    assert sorted(calls) == ["turns", "turns"]                                # other conversations
+    (model / "model.safetensors").write_bytes(b"other weights")               # other weights: a folder of their own
+    assert len(again()) == 5 and len(list(out.iterdir())) == 2
+
+
+def test_missing_inputs_are_named_before_anything_is_measured(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        compare.main([str(model), "--data", str(tmp_path)])
+    assert "holds no model.safetensors" in capsys.readouterr().err
+    (model / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(SystemExit):
+        compare.main([str(model), "--data", str(tmp_path)])
+    assert "val_code.bin" in capsys.readouterr().err
