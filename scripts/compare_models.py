@@ -38,28 +38,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from clover.cli.evaluate import files_digest, weights_digest  # noqa: E402  (the package from ROOT)
 
-def _digest(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for f in paths:
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
-SOURCE = _digest(sorted([*(ROOT / "clover").rglob("*.py"), *(ROOT / "clover").rglob("*.jinja")]))
+SOURCE = files_digest(sorted([*(ROOT / "clover").rglob("*.py"), *(ROOT / "clover").rglob("*.jinja")]))
 
 
 def measure(model_dir: str | None, data: str, out: Path, conversations: int, prompts: int) -> dict:
     """Every figure the rule reads for one model, from OUT's files where the same inputs made them."""
-    from clover.cli.evaluate import weights_digest
     from clover.model.checkpoint import default_model_dir, load_for_generation
     from clover.training import scores
     from clover.training.agent_data import training_tasks
 
     directory = Path(model_dir) if model_dir else default_model_dir()
     digest = weights_digest(model_dir)
-    identity = {"weights_sha256": digest, "source_sha256": SOURCE, "model_files_sha256": _digest(
+    identity = {"weights_sha256": digest, "source_sha256": SOURCE, "model_files_sha256": files_digest(
         [f for f in sorted(directory.iterdir()) if f.name.startswith("tokenizer") or f.suffix == ".jinja"])}
     root = out / digest[:16]
     root.mkdir(parents=True, exist_ok=True)
@@ -92,13 +84,13 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
                    lambda m, t, s=settings: scores.turn_accuracy(m, t, **s))
         figures[f"turns_{pool}"] = r["exact"]
         figures[f"turns_{pool}_n"] = r["turns"]
-    raw = _digest([Path(data) / "raw" / "val" / f"{kind}.jsonl" for kind in ("code", "english")])
+    raw = files_digest([Path(data) / "raw" / "val" / f"{kind}.jsonl" for kind in ("code", "english")])
     settings = {"kinds": ["code", "english"], "split": "val", "raw_sha256": raw}
     r = cached("bpb", settings, lambda m, t: [scores.bits_per_byte(m, t, data, k, "val") for k in settings["kinds"]])
     for row in r:
         figures[f"bpb_{row['kind']}"] = row["model_bits_per_byte"]
     settings = {"count": prompts, "thresholds": [0.95], "split": "val",
-                "shard_sha256": _digest([Path(data) / "tokens" / "val_code.bin"])}
+                "shard_sha256": files_digest([Path(data) / "tokens" / "val_code.bin"])}
     r = cached("match", settings, lambda m, t: scores.continuation_match(m, t, data, prompts, thresholds=(0.95,),
                                                                         split="val"))
     rows = {(x["algorithm"], x["threshold"]): x for x in r["results"]}

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,20 +84,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def weights_digest(model_dir: str | None) -> str:
-    """SHA-256 over a checkpoint's config and weight files: what makes its outputs what they are."""
+def files_digest(paths: Iterable[Path]) -> str:
+    """SHA-256 over files, in the order given: each one's name, then its bytes."""
     import hashlib
 
-    from clover.model.checkpoint import default_model_dir
-
-    directory = Path(model_dir) if model_dir else default_model_dir()
     h = hashlib.sha256()
-    for f in sorted([directory / "config.json", *directory.glob("*.safetensors")]):
+    for f in paths:
         h.update(f.name.encode())
         with f.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def weights_digest(model_dir: str | None) -> str:
+    """SHA-256 over a checkpoint's config and weight files: what makes its outputs what they are."""
+    from clover.model.checkpoint import default_model_dir
+
+    directory = Path(model_dir) if model_dir else default_model_dir()
+    return files_digest(sorted([directory / "config.json", *directory.glob("*.safetensors")]))
 
 
 def _fresh_unless_same(root: Path, identity: dict) -> None:
