@@ -712,7 +712,7 @@ class CloverForCausalLM(nn.Module):
                 cache.set_gdn(i, rows, res.state, res.ring)
             return res.out
 
-        valid = valid_mask(lengths, t)
+        valid = valid_mask(lengths, t) if t > 1 or logits == "train" else None   # (an `ar` step reads none)
         # padding (rows of different lengths: a check's drafts, prompts admitted together) skips the experts, which
         # hold most of a position's products, where no logits of it are returned (nor read by later positions)
         used = valid if t > 1 and logits in ("valid", "last", "none") else None
