@@ -139,13 +139,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
-    from clover.model.checkpoint import CheckpointError, _weight_files, default_model_dir
+    from clover.model.checkpoint import CheckpointError, default_model_dir, weight_files
 
     for d in (a.candidate, a.baseline or default_model_dir()):
         if not (Path(d) / "config.json").is_file():
             p.error(f"{d}: not a checkpoint directory (no config.json)")
         try:
-            _weight_files(Path(d))
+            weight_files(Path(d))
         except CheckpointError as exc:
             p.error(str(exc))
     needed = [Path(a.data) / "tokens" / "val_code.bin",

@@ -191,7 +191,9 @@ def save_checkpoint(
 # -- reading -----------------------------------------------------------------------------------------
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (one file, or the shards its index lists); a
+    `CheckpointError` where they are missing or the index is unreadable."""
     index = directory / INDEX_NAME
     if index.is_file():
         try:
@@ -211,7 +213,7 @@ def _weight_files(directory: Path) -> list[Path]:
 
 def iter_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of a checkpoint directory, file by file."""
-    for path in _weight_files(Path(directory)):
+    for path in weight_files(Path(directory)):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
