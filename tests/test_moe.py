@@ -3,12 +3,20 @@
 import pytest
 import torch
 
-from clover.model.moe import SparseMoE, experts_dense, experts_grouped, experts_reference, load_balancing_loss, route
+from clover.model.moe import (
+    SparseMoE,
+    experts_dense,
+    experts_gathered,
+    experts_grouped,
+    experts_reference,
+    load_balancing_loss,
+    route,
+)
 from clover.model.testing import assert_close
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (37, 8, 2), (64, 16, 4), (5, 32, 8)])
-def test_grouped_and_dense_dispatch_equal_reference_outputs_and_grads(tokens, experts, top_k):
+def test_grouped_dense_and_gathered_dispatch_equal_reference_outputs_and_grads(tokens, experts, top_k):
     d, width = 12, 10
     x = torch.randn(tokens, d, requires_grad=True)
     gate_up = (torch.randn(experts, 2 * width, d) * 0.3).requires_grad_()
@@ -19,12 +27,17 @@ def test_grouped_and_dense_dispatch_equal_reference_outputs_and_grads(tokens, ex
     out = experts_grouped(x, gate_up, down, weights, chosen)
     assert_close(out, out_ref, atol=1e-6, what="output")
     assert_close(experts_dense(x, gate_up, down, weights, chosen), out_ref, atol=1e-6, what="dense output")
+    gathered = experts_gathered(x, gate_up, down, weights, chosen)
+    assert_close(gathered, out_ref, atol=1e-6, what="gathered output")
     probe = torch.randn_like(out)
     inputs = (x, gate_up, down, weights)
     grads = torch.autograd.grad((out * probe).sum(), inputs)
     grads_ref = torch.autograd.grad((out_ref * probe).sum(), inputs)
-    for name, a, b in zip(["x", "gate_up", "down", "weights"], grads, grads_ref, strict=True):
+    grads_gathered = torch.autograd.grad((gathered * probe).sum(), inputs)
+    for name, a, b, c in zip(["x", "gate_up", "down", "weights"], grads, grads_ref, grads_gathered, strict=True):
         assert_close(a, b, atol=1e-6, what=f"grad {name}")
+        # (einsum sums in another order: float32 rounding of sums whose terms reach ~10, so 1e-5 absolute)
+        assert_close(c, b, atol=1e-5, what=f"gathered grad {name}")
 
 
 def test_route_renormalises_top_k_of_the_full_softmax():
@@ -78,3 +91,29 @@ def test_compiled_passes_of_the_shipped_shape_keep_the_dense_mix_up_to_a_fused_c
     shipped = CloverConfig.preset("tiny-wide")
     assert waste(shipped, 2 * shipped.block_size) <= moe._COMPILED_DENSE_WASTE < waste(shipped, 72)
     assert waste(CloverConfig.preset("clover-35b-a3b"), 1) > moe._COMPILED_DENSE_WASTE
+
+
+@pytest.mark.parametrize("tokens,chosen", [(1, "gathered"), (4, "gathered"), (5, "dense"), (73, "grouped")])
+def test_compiled_passes_index_the_tokens_own_experts_while_they_read_fewer_weights_than_the_dense_mix(
+        tokens, chosen, monkeypatch):
+    """Under compile, a pass of T tokens with T * top_k <= E (tiny-wide: 8 experts, top 2, so up to 4 tokens: an
+    `ar` step of up to 4 sequences) takes `experts_gathered`, a larger one the dense mix within its bound,
+    beyond it the grouped dispatch; the module's output is the reference's whichever runs."""
+    from clover.model import moe
+
+    module = SparseMoE(384, 128, 128, num_experts=8, top_k=2)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    ran = []
+    for name in ("experts_gathered", "experts_dense", "_grouped_outside_graph"):
+        fn = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    x = torch.randn(tokens, 384)
+    out, logits = module(x)
+    assert ran == [{"gathered": "experts_gathered", "dense": "experts_dense",
+                    "grouped": "_grouped_outside_graph"}[chosen]]
+    weights, experts = route(logits, 2, x.dtype)
+    want = experts_reference(x, module.experts.gate_up_proj, module.experts.down_proj, weights, experts)
+    want = want + torch.sigmoid(module.shared_expert_gate(x)) * module.shared_expert(x)
+    assert_close(out, want, atol=1e-5, what="module output")
