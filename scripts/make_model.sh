@@ -4,7 +4,9 @@
 #   -> self-distillation (the noisy stream learns the model's own greedy ar outputs) -> a second round of
 #   SFT and self-distillation -> a third SFT round -> two rounds of SFT with recall drills -> release.
 # Every stage resumes where it stopped: after an interruption, run the same command again.
-# Training takes about 5.5 hours on 2 idle CPU cores (about 330 minutes at the median rates of the shipped build);
+# Training takes about 5.5 hours on 2 idle CPU cores (about 330 minutes at the median rates of the shipped build;
+# on an AVX-512 EPYC of 2026 AR pretraining runs at ~2,650 tokens/s in fp32, 1.6x that build's median rate, so
+# about 3.4 hours there: an estimate, not yet timed end to end);
 # override the step counts with the variables below.
 # Chat rows are packed with several conversations (--pack); SFT keeps code and English in the mix.
 set -euo pipefail
@@ -62,11 +64,23 @@ if [ ! -f "$DATA/tokens/counts.json" ]; then
   timed "data build" "$BIN/clover" data build --out "$DATA" --vocab-size 8192 --chat-train 40000
 fi
 stage "AR pretraining"
+# in bf16 autocast (fp32 master weights) where the CPU multiplies bf16 natively (avx512_bf16, amx_bf16): on an
+# AVX-512 EPYC 1.26x the tokens/s of fp32 with validation bits per byte 0.994x (400-step pair, docs/measurements.md,
+# session 30); elsewhere bf16 products are emulated and slower, so fp32. A run already started keeps its dtype
+# (a resume on another machine must not change it: `clover train --resume` refuses other settings).
+if [ -f "$RUNS/ar/train_config.json" ]; then
+  AR_DTYPE=${AR_DTYPE:-$("$BIN/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dtype"])' \
+    "$RUNS/ar/train_config.json")}
+elif grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2> /dev/null; then
+  AR_DTYPE=${AR_DTYPE:-bfloat16}
+else
+  AR_DTYPE=${AR_DTYPE:-float32}
+fi
 # from random weights with the GDN output gates opened (`clover train --gdn-gate-z`, default 2: 4-5% lower bits
 # per byte after 400 steps, docs/measurements.md, session 23) and a slowly decaying GDN state (`--gdn-dt-max`,
 # default 0.1, session 24); the shipped weights were built before both (z 0, dt_bias 1)
 train "$RUNS/ar" --data "$DATA" --init "preset:$PRESET" --objective ar --steps "$AR_STEPS" --batch-size 8 \
-  --seq-len 512 --lr 3e-3 --warmup 100 --mix "$MIX" --pack --eval-every 300 --save-every 50
+  --seq-len 512 --lr 3e-3 --warmup 100 --mix "$MIX" --pack --eval-every 300 --save-every 50 --dtype "$AR_DTYPE"
 stage "convert the AR parent into a block-diffusion model"
 [ -f "$RUNS/diff-init/config.json" ] || timed convert "$BIN/clover" convert "$RUNS/ar/model" "$RUNS/diff-init"
 stage "block-diffusion adaptation"
