@@ -44,15 +44,23 @@ timed() {
     >> "$RUNS/times.jsonl"
 }
 
-# train RUN_DIR ARGS...: continue the run if it has a checkpoint, skip it if it finished, else start it.
+# Training runs in bf16 autocast (fp32 master weights) where the CPU multiplies bf16 natively (avx512_bf16,
+# amx_bf16): on an AVX-512 EPYC 1.26x the tokens/s of fp32 for AR and 1.36x for the diffusion objective, with
+# validation bits per byte 0.994x and 1.0001x (docs/measurements.md, session 30); elsewhere bf16 products are
+# emulated and slower, so fp32. DTYPE overrides. (The shipped weights were trained in fp32.)
+if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2> /dev/null; then DTYPE=${DTYPE:-bfloat16}; else DTYPE=${DTYPE:-float32}; fi
+
+# train RUN_DIR ARGS...: continue the run if it has a checkpoint, skip it if it finished, else start it (in
+# DTYPE). A started run keeps its dtype, on another machine too (`clover train --resume` refuses changed settings).
 train() {
-  local out=$1; shift
+  local out=$1 dtype; shift
   if [ -f "$out/DONE" ]; then return; fi
   if [ -f "$out/checkpoint/trainer_state.pt" ]; then
-    timed "train $(basename "$out")" "$BIN/clover" train --out "$out" "$@" --resume
+    dtype=$("$BIN/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dtype"])' "$out/train_config.json")
+    timed "train $(basename "$out")" "$BIN/clover" train --out "$out" "$@" --dtype "$dtype" --resume
   else
     rm -rf "$out"
-    timed "train $(basename "$out")" "$BIN/clover" train --out "$out" "$@"
+    timed "train $(basename "$out")" "$BIN/clover" train --out "$out" "$@" --dtype "$DTYPE"
   fi
   touch "$out/DONE"
 }
@@ -64,23 +72,11 @@ if [ ! -f "$DATA/tokens/counts.json" ]; then
   timed "data build" "$BIN/clover" data build --out "$DATA" --vocab-size 8192 --chat-train 40000
 fi
 stage "AR pretraining"
-# in bf16 autocast (fp32 master weights) where the CPU multiplies bf16 natively (avx512_bf16, amx_bf16): on an
-# AVX-512 EPYC 1.26x the tokens/s of fp32 with validation bits per byte 0.994x (400-step pair, docs/measurements.md,
-# session 30); elsewhere bf16 products are emulated and slower, so fp32. A run already started keeps its dtype
-# (a resume on another machine must not change it: `clover train --resume` refuses other settings).
-if [ -f "$RUNS/ar/train_config.json" ]; then
-  AR_DTYPE=${AR_DTYPE:-$("$BIN/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dtype"])' \
-    "$RUNS/ar/train_config.json")}
-elif grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2> /dev/null; then
-  AR_DTYPE=${AR_DTYPE:-bfloat16}
-else
-  AR_DTYPE=${AR_DTYPE:-float32}
-fi
 # from random weights with the GDN output gates opened (`clover train --gdn-gate-z`, default 2: 4-5% lower bits
 # per byte after 400 steps, docs/measurements.md, session 23) and a slowly decaying GDN state (`--gdn-dt-max`,
 # default 0.1, session 24); the shipped weights were built before both (z 0, dt_bias 1)
 train "$RUNS/ar" --data "$DATA" --init "preset:$PRESET" --objective ar --steps "$AR_STEPS" --batch-size 8 \
-  --seq-len 512 --lr 3e-3 --warmup 100 --mix "$MIX" --pack --eval-every 300 --save-every 50 --dtype "$AR_DTYPE"
+  --seq-len 512 --lr 3e-3 --warmup 100 --mix "$MIX" --pack --eval-every 300 --save-every 50
 stage "convert the AR parent into a block-diffusion model"
 [ -f "$RUNS/diff-init/config.json" ] || timed convert "$BIN/clover" convert "$RUNS/ar/model" "$RUNS/diff-init"
 stage "block-diffusion adaptation"
