@@ -141,7 +141,7 @@ def test_a_failing_request_ends_alone_and_the_batch_goes_on(sharp_model, monkeyp
 
 
 def test_warm_up_runs_every_policy_and_leaves_the_engine_idle(sharp_model):
-    engine = Engine(sharp_model, prefix_cache_bytes=1 << 20)
+    engine = Engine(sharp_model, prefix_cache_bytes=1 << 20, max_batch_size=5)
     calls = []
     for name, policy in engine.policies.items():
         step = policy.step
@@ -149,7 +149,7 @@ def test_warm_up_runs_every_policy_and_leaves_the_engine_idle(sharp_model):
                                                                       step(e, seqs, events))[1]
     engine.warm_up()
     assert {name for name, _ in calls} == {"ar", "low_confidence", "verify"}
-    assert {n for _, n in calls} == {1, 2}
+    assert {n for _, n in calls} == {1, 2, 5}   # one sequence, two, a full batch (the passes' shape classes)
     assert not engine.has_unfinished() and not engine.running and engine.cache is None
     after = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=8, algorithm="ar"))[0]
     assert after.token_ids == Engine(sharp_model).generate([PROMPTS[1]], SamplingParams(max_new_tokens=8,

@@ -207,14 +207,15 @@ class Engine:
         return self.policies[s.params.algorithm].reusable(s) // size * size
 
     def warm_up(self) -> None:
-        """Decode a short prompt with each policy, for one sequence and for two, and drop the results:
-        compiled passes (`model.compile_decode`) are built for the shapes decoding uses before the first
-        request pays for it. Leaves the engine idle."""
+        """Decode a short prompt with each policy, for one sequence, for two and for a full batch, and drop
+        the results: compiled passes (`model.compile_decode`) are built for the shapes decoding uses before
+        the first request pays for it (a pass of a few tokens and a larger one can be different graphs: the
+        experts' dispatch depends on the token count, `clover/model/moe.py`). Leaves the engine idle."""
         b = self.config.block_size
         prompt = [i % self.config.mask_token_id for i in range(b + b // 2)]   # a prompt tail inside a block
         with torch.inference_mode():
             for algorithm in self.policies:
-                for n in (1, 2):
+                for n in sorted({1, 2, self.max_batch_size}):
                     self.generate([prompt] * n, SamplingParams(max_new_tokens=2 * b, algorithm=algorithm,
                                                                ignore_eos=True))
 

@@ -76,11 +76,14 @@ def experts_gathered(
 # to a block's commit fused with the next block's preview on the shipped clover-tiny (64 tokens x 6 unused
 # experts of 384 x 128; even eager, dense and grouped take the same time there, 1.36 ms, and grouped leads
 # from 72 tokens on); the bound counts the multiply-adds it wastes, so a model with many or wide experts
-# (the 35B shape: 248 unused experts of 2048 x 512 for one token) keeps the grouped dispatch. Below both,
-# a pass of at most E / K tokens (an `ar` step of up to E / K sequences, a short `verify` check) indexes
-# each token's own experts (`experts_gathered`): a compiled batch-1 `ar` step of clover-tiny took 1.05 ms
-# against 1.52 with the dense mix (session 30, AVX-512 EPYC: the dense mix read 19 of the step's ~45 MB of
-# weights, more than its L3 holds); eagerly the grouped dispatch stays (the indexing would copy the weights).
+# (the 35B shape: 248 unused experts of 2048 x 512 for one token) takes the grouped dispatch above E / K
+# tokens. Up to E / K tokens (an `ar` step of up to E / K sequences, a short `verify` check; for the 35B
+# shape 32 tokens) a pass indexes each token's own experts (`experts_gathered`), which reads no more expert
+# weights than the dense mix: a compiled batch-1 `ar` step of clover-tiny took 1.05 ms against 1.52 with the
+# dense mix (session 30, AVX-512 EPYC: the dense mix read 19 of the step's ~45 MB of weights, more than its L3
+# holds). The indexed weights may be copied (eagerly they are; inductor's matmuls may want them contiguous),
+# T x K experts where tokens share some: near E / K tokens of wide experts that is more traffic than the
+# grouped dispatch's reads (not measured on such a shape). Eagerly the grouped dispatch stays.
 _grouped_outside_graph = torch.compiler.disable(experts_grouped)
 _COMPILED_DENSE_WASTE = 64 * 6 * 384 * 128
 
