@@ -99,10 +99,10 @@ def files_digest(paths: Iterable[Path]) -> str:
 
 def weights_digest(model_dir: str | None) -> str:
     """SHA-256 over a checkpoint's config and weight files: what makes its outputs what they are."""
-    from clover.model.checkpoint import default_model_dir
+    from clover.model.checkpoint import default_model_dir, weight_files
 
     directory = Path(model_dir) if model_dir else default_model_dir()
-    return files_digest(sorted([directory / "config.json", *directory.glob("*.safetensors")]))
+    return files_digest(sorted([directory / "config.json", *weight_files(directory)]))
 
 
 def _fresh_unless_same(root: Path, identity: dict) -> None:
