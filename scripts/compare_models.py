@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from clover.cli.evaluate import files_digest, weights_digest  # noqa: E402  (the package from ROOT)
+from clover.files import write_text_atomic  # noqa: E402
 
 SOURCE = files_digest(sorted([*(ROOT / "clover").rglob("*.py"), *(ROOT / "clover").rglob("*.jinja")]))
 
@@ -69,10 +68,8 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
         t0 = time.perf_counter()
         result = compute(loaded.model, loaded.tokenizer)
         print(f"  {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        with tempfile.NamedTemporaryFile("w", dir=root, suffix=".tmp", delete=False) as f:
-            f.write(json.dumps({"identity": identity, "model": str(directory), "settings": settings,
-                                "result": result}, indent=2) + "\n")
-        os.replace(f.name, path)
+        write_text_atomic(path, json.dumps({"identity": identity, "model": str(directory), "settings": settings,
+                                            "result": result}, indent=2) + "\n")
         return result
 
     figures: dict = {"model": str(directory), "weights_sha256": digest}

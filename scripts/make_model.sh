@@ -52,10 +52,12 @@ if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2> /dev/null; then DTYPE=${DTY
 
 # train RUN_DIR ARGS...: continue the run if it has a checkpoint, skip it if it finished, else start it (in
 # DTYPE). A started run keeps its dtype, on another machine too (`clover train --resume` refuses changed settings).
+# A kill between the two renames of a checkpoint swap leaves the checkpoint moved aside (.checkpoint.old-PID):
+# that run is continued too (`--resume` moves it back), not started over.
 train() {
   local out=$1 dtype; shift
   if [ -f "$out/DONE" ]; then return; fi
-  if [ -f "$out/checkpoint/trainer_state.pt" ]; then
+  if [ -f "$out/checkpoint/trainer_state.pt" ] || compgen -G "$out/.checkpoint.old-*/trainer_state.pt" > /dev/null; then
     dtype=$("$BIN/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dtype"])' "$out/train_config.json")
     timed "train $(basename "$out")" "$BIN/clover" train --out "$out" "$@" --dtype "$dtype" --resume
   else

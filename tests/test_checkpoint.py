@@ -208,6 +208,26 @@ def test_a_kill_between_the_two_renames_of_a_swap_is_recovered(tmp_path, debug_m
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
+def test_a_file_written_atomically_is_the_old_or_the_new_one(tmp_path):
+    """write_text_atomic (run settings, resumable logs, a data build's completion record): a write that fails
+    part-way (here: text that cannot be encoded, after its first characters were written) leaves the previous
+    file whole and no temp file; a write that succeeds replaces it, with the mode a plain write would give."""
+    from clover.files import write_text_atomic
+
+    path = tmp_path / "train_config.json"
+    write_text_atomic(path, '{"dtype": "bfloat16"}\n')
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomic(path, '{"dtype": "' + "x" * 100_000 + "\ud800")
+    assert path.read_text() == '{"dtype": "bfloat16"}\n'
+    assert os.listdir(tmp_path) == ["train_config.json"]
+    write_text_atomic(path, "new\n")
+    assert path.read_text() == "new\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert os.listdir(tmp_path) == ["train_config.json"]
+
+
 # -- conversion --------------------------------------------------------------------------------------
 
 

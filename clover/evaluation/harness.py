@@ -28,6 +28,7 @@ import httpx
 
 from clover.evaluation.client import InfraError, ModelError, StreamedReply, stream_chat
 from clover.evaluation.suites import Environment, HarnessTask, check_suite, suite_tasks
+from clover.files import write_text_atomic
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
            "infrastructure_error")
@@ -201,7 +202,7 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
         lines = results_path.read_text().splitlines()
         # a run killed while writing leaves at most one partial last line: drop it and redo that task run
         whole = [x for x in lines if x.strip() and _is_json(x)]
-        results_path.write_text("".join(x + "\n" for x in whole))
+        write_text_atomic(results_path, "".join(x + "\n" for x in whole))
         previous = [json.loads(x) for x in whole]
     elif results_path.exists():
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
@@ -221,7 +222,7 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
         first["runs"] = cfg.runs
         first.setdefault("resumed", []).append({k: meta[k] for k in ("date", "commit")})
         meta = first
-    (out / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_text_atomic(out / "metadata.json", json.dumps(meta, indent=2) + "\n")
     done = {(r["task"], r["condition"], r["run"]) for r in previous}
     # cold: the first task run this harness sends to an endpoint (a resumed run's endpoints are warm)
     cold = {e.name: not any(r["endpoint"] == e.name for r in previous) for e in cfg.endpoints}
@@ -245,7 +246,7 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
                             f.write(json.dumps(res) + "\n")
     results = [json.loads(x) for x in results_path.read_text().splitlines() if x.strip()]
     summary = summarise(results, cfg.runs)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     write_report(out, cfg, summary, results)
     return summary
 
@@ -437,7 +438,7 @@ def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dic
                   "![dispersion per task](dispersion.png)", ""]
     if (out / "notes.md").is_file():  # a hand-written reading, kept when the report is written again
         lines += ["## Reading", "", (out / "notes.md").read_text().strip(), ""]
-    (out / "report.md").write_text("\n".join(lines))
+    write_text_atomic(out / "report.md", "\n".join(lines))
 
 
 def _plots(out: Path, summary: dict, results: list[dict]) -> bool:

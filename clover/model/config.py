@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from clover.files import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -226,12 +228,8 @@ class CloverConfig:
 
     def save(self, directory: str | os.PathLike) -> None:
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, "config.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({**self.to_dict(), **TRANSFORMERS_FIELDS}, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_text_atomic(os.path.join(directory, "config.json"),
+                          json.dumps({**self.to_dict(), **TRANSFORMERS_FIELDS}, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> CloverConfig:

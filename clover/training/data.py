@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clover.files import write_text_atomic
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer, stdlib_sources
 from clover.training import agent_data, recall_data, synthetic
 
@@ -139,7 +140,7 @@ def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int]
         for f in files.values():
             f.close()
     manifest = {"sources": stats, "packages": PACKAGES, "split_rule": "sha1(source/name) % 100: <2 test, <4 val"}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
@@ -212,7 +213,7 @@ def encode_corpus(out: str | Path, tokenizer: Tokenizer) -> dict:
         np.savez(out / "tokens" / f"{split}_chat.npz", ids=np.asarray(all_ids, dtype=np.uint16),
                  mask=np.asarray(all_mask, dtype=np.uint8), offsets=np.asarray(offsets, dtype=np.int64))
         counts[f"{split}_chat"] = len(all_ids)
-    (out / "tokens" / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
+    write_text_atomic(out / "tokens" / "counts.json", json.dumps(counts, indent=2) + "\n")
     return counts
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from clover.files import write_text_atomic
 from clover.model.checkpoint import CheckpointError, load_checkpoint, recover_directory, save_checkpoint
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
@@ -286,7 +287,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     block = model.config.block_size
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+        write_text_atomic(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         _truncate_log(out / "log.jsonl", start)
     progress = _Progress(cfg.steps, start) if d.main else None
     record: dict = {}
@@ -352,6 +353,4 @@ def _truncate_log(path: Path, step: int) -> None:
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))

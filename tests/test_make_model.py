@@ -1,0 +1,60 @@
+"""scripts/make_model.sh's `train` step: which runs it continues, skips or starts over. The function is run
+as the script defines it, with a stand-in `clover` that records its arguments."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(tmp_path: Path, run: Path) -> list[str]:
+    """Call make_model.sh's train() on `run`; return the arguments the stand-in `clover` got ([] if not called)."""
+    script = (ROOT / "scripts" / "make_model.sh").read_text()
+    function = re.search(r"^train\(\) \{\n.*?^\}\n", script, re.S | re.M)
+    assert function, "make_model.sh defines train() { ... } at the start of a line"
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "clover").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\nmkdir -p "$3"\n')
+    (bin_dir / "clover").chmod(0o755)
+    record = tmp_path / "args.txt"
+    record.unlink(missing_ok=True)
+    program = f'BIN={bin_dir}; DTYPE=bfloat16; timed() {{ shift; "$@"; }}\n{function.group(0)}\ntrain "$1" --steps 9\n'
+    subprocess.run(["bash", "-c", program, "make_model", str(run)], check=True, env={"RECORD": str(record),
+                                                                                       "PATH": "/usr/bin:/bin"})
+    return record.read_text().split() if record.exists() else []
+
+
+def _started(run: Path, dtype: str = "float32") -> None:
+    run.mkdir(parents=True)
+    (run / "train_config.json").write_text(json.dumps({"dtype": dtype}))
+    (run / "log.jsonl").write_text('{"step": 25}\n')
+
+
+@pytest.mark.parametrize("checkpoint", ["checkpoint", ".checkpoint.old-4242"])
+def test_a_run_with_a_checkpoint_is_continued_in_its_own_dtype(tmp_path, checkpoint):
+    """Also when a kill between the two renames of a checkpoint swap left it moved aside: `--resume` moves it
+    back (recover_directory); starting over would delete the run."""
+    run = tmp_path / "runs" / "ar"
+    _started(run)
+    (run / checkpoint).mkdir()
+    (run / checkpoint / "trainer_state.pt").write_bytes(b"state")
+    args = _train(tmp_path, run)
+    assert args == ["train", "--out", str(run), "--steps", "9", "--dtype", "float32", "--resume"]
+    assert (run / checkpoint / "trainer_state.pt").read_bytes() == b"state" and (run / "log.jsonl").exists()
+    assert (run / "DONE").exists()
+
+
+def test_a_run_without_a_checkpoint_starts_over_and_a_finished_one_is_skipped(tmp_path):
+    run = tmp_path / "runs" / "ar"
+    _started(run)   # killed before its first checkpoint
+    (run / "checkpoint.tmp-1").mkdir()
+    assert _train(tmp_path, run) == ["train", "--out", str(run), "--steps", "9", "--dtype", "bfloat16"]
+    assert not (run / "log.jsonl").exists()   # the half run was removed before it started again
+    assert _train(tmp_path, run) == []        # DONE
