@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from clover.cli.evaluate import files_digest, weights_digest  # noqa: E402  (the package from ROOT)
-from clover.files import write_text_atomic  # noqa: E402
+from clover.model.files import write_text_atomic  # noqa: E402
 
 SOURCE = files_digest(sorted([*(ROOT / "clover").rglob("*.py"), *(ROOT / "clover").rglob("*.jinja")]))
 

@@ -212,7 +212,7 @@ def test_a_file_written_atomically_is_the_old_or_the_new_one(tmp_path):
     """write_text_atomic (run settings, resumable logs, a data build's completion record): a write that fails
     part-way (here: text that cannot be encoded, after its first characters were written) leaves the previous
     file whole and no temp file; a write that succeeds replaces it, with the mode a plain write would give."""
-    from clover.files import write_text_atomic
+    from clover.model.files import write_text_atomic
 
     path = tmp_path / "train_config.json"
     write_text_atomic(path, '{"dtype": "bfloat16"}\n')

@@ -4,5 +4,5 @@ It owns the agent harness (`harness`), its task suites (`suites`), the sandbox t
 code (`sandbox`), the streamed chat client shared by the harness and the serving benchmark (`client`)
 and that benchmark (`bench`). It never imports a model: it talks to any OpenAI-compatible endpoint,
 `clover serve` or the in-process one of `clover.serving.local`. It may use the task generators of the
-training layer.
+training layer, and the model layer's atomic writes (`clover.model.files`, standard library only).
 """

@@ -28,7 +28,7 @@ import httpx
 
 from clover.evaluation.client import InfraError, ModelError, StreamedReply, stream_chat
 from clover.evaluation.suites import Environment, HarnessTask, check_suite, suite_tasks
-from clover.files import write_text_atomic
+from clover.model.files import write_text_atomic
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
            "infrastructure_error")

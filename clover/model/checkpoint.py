@@ -13,8 +13,7 @@ import math
 import os
 import re
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from clover.model.config import CloverConfig, ConfigError, GenerationConfig
+from clover.model.files import write_directory
 from clover.model.modeling import CloverForCausalLM, RotaryEmbedding
 from clover.model.tokenizer import Tokenizer
 
@@ -113,46 +113,6 @@ def _write_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_
 def default_generation_config(config: CloverConfig) -> dict:
     return {**GenerationConfig(block_size=config.block_size).to_dict(), "eos_token_id": config.eos_token_ids,
             "mask_token_id": config.mask_token_id}
-
-
-def recover_directory(target: str | os.PathLike) -> None:
-    """Finish what a writer killed mid-swap left: if `target` is missing but its previous version was moved
-    aside (`.NAME.old-PID`), move it back; then remove leftover temp and old copies. Run before reading or
-    writing a checkpoint directory (one writer per directory at a time, as the trainer is)."""
-    target = Path(target)
-    if not target.parent.is_dir():
-        return
-    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
-    if not target.exists() and olds:
-        os.replace(olds.pop(), target)
-    for leftover in [*olds, *target.parent.glob(f".{target.name}.tmp-*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
-
-
-def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> None:
-    """Create `target` atomically: `fill(tmp_dir)` writes into a sibling temp dir that is renamed into place.
-    A crash at any point leaves either the old or the new version (`recover_directory` completes a swap)."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    recover_directory(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        fill(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is as shareable as any file
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_checkpoint(

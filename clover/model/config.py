@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from clover.files import write_text_atomic
+from clover.model.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 

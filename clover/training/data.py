@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clover.files import write_text_atomic
+from clover.model.files import write_text_atomic
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer, stdlib_sources
 from clover.training import agent_data, recall_data, synthetic
 

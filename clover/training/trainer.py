@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clover.files import write_text_atomic
-from clover.model.checkpoint import CheckpointError, load_checkpoint, recover_directory, save_checkpoint
+from clover.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from clover.model.config import CloverConfig
+from clover.model.files import recover_directory, write_text_atomic
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer
 from clover.training.data import Batch, TokenData

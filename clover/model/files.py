@@ -1,0 +1,75 @@
+"""Writes that a crash or a kill cannot leave half done.
+
+A file or directory that a later step reads back (a checkpoint, a run's settings, a resumable log, a data
+build's completion record, an evaluation's results) is written beside its target and renamed over it: a
+reader sees the old version or the new one, never a truncated one. Standard library only, so that every
+layer may use it (the evaluation layer included, which never loads a model).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replace `path` with `text` (UTF-8) in one rename; the temp file is removed if writing fails."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; keep the mode a plain write would give
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def recover_directory(target: str | os.PathLike) -> None:
+    """Finish what a writer killed mid-swap left: if `target` is missing but its previous version was moved
+    aside (`.NAME.old-PID`), move it back; then remove leftover temp and old copies. Run before reading or
+    writing a checkpoint directory (one writer per directory at a time, as the trainer is)."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return
+    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if not target.exists() and olds:
+        os.replace(olds.pop(), target)
+    for leftover in [*olds, *target.parent.glob(f".{target.name}.tmp-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> None:
+    """Create `target` atomically: `fill(tmp_dir)` writes into a sibling temp dir that is renamed into place.
+    A crash at any point leaves either the old or the new version (`recover_directory` completes a swap)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    recover_directory(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        fill(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is as shareable as any file
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~_umask())
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
