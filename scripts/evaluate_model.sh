@@ -36,5 +36,7 @@ step "validation turns"
 "$BIN/clover" eval turns --model "$MODEL" --out "$RUNS/eval_turns_final.json"
 "$BIN/clover" eval turns --model "$MODEL" --tool-grammar --out "$RUNS/eval_turns_grammar.json"
 step "training throughput"
-"$BIN/python" benchmarks/train.py --shapes "$PRESET" --steps 3 --compile | tail -1 > "$RUNS/bench_train.json"
+# (through a temp file: a failed or killed benchmark leaves the previous table, never an empty one)
+"$BIN/python" benchmarks/train.py --shapes "$PRESET" --steps 3 --compile | tail -1 > "$RUNS/bench_train.json.tmp"
+mv "$RUNS/bench_train.json.tmp" "$RUNS/bench_train.json"
 step "done"

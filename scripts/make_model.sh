@@ -57,7 +57,11 @@ if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2> /dev/null; then DTYPE=${DTY
 train() {
   local out=$1 dtype; shift
   if [ -f "$out/DONE" ]; then return; fi
-  if [ -f "$out/checkpoint/trainer_state.pt" ] || compgen -G "$out/.checkpoint.old-*/trainer_state.pt" > /dev/null; then
+  local saved=""
+  for f in "$out"/checkpoint/trainer_state.pt "$out"/.checkpoint.old-*/trainer_state.pt; do
+    if [ -f "$f" ]; then saved=$f; fi
+  done
+  if [ -n "$saved" ]; then
     dtype=$("$BIN/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dtype"])' "$out/train_config.json")
     timed "train $(basename "$out")" "$BIN/clover" train --out "$out" "$@" --dtype "$dtype" --resume
   else

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from clover.model.files import write_text_atomic
+
 STAGES = ("ar", "diff", "sft", "distill", "sft2", "distill2", "sft3", "sft4", "sft5")
 
 
@@ -290,8 +292,8 @@ def main() -> None:
     notes = Path(__file__).with_name("model_card_notes.md")
     if notes.is_file():
         lines += ["", notes.read_text().strip(), ""]
-    (model_dir / "README.md").write_text("\n".join(lines))
-    (model_dir / "training_record.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_text_atomic(model_dir / "README.md", "\n".join(lines))
+    write_text_atomic(model_dir / "training_record.json", json.dumps(record, indent=1) + "\n")
     print(f"wrote {model_dir / 'README.md'}")
 
 

@@ -185,7 +185,6 @@ def test_a_kill_between_the_two_renames_of_a_swap_is_recovered(tmp_path, debug_m
     write moves it back and removes leftover temp directories of killed writers."""
     save_checkpoint(debug_model, tmp_path / "ck")
     before = (tmp_path / "ck" / "model.safetensors").read_bytes()
-    import clover.model.checkpoint as ckpt
 
     real_replace = os.replace
 
@@ -194,10 +193,12 @@ def test_a_kill_between_the_two_renames_of_a_swap_is_recovered(tmp_path, debug_m
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "replace", dying_replace)
+    import clover.model.files as files
+
+    monkeypatch.setattr(files.os, "replace", dying_replace)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(perturbed_model(debug_model.config), tmp_path / "ck")
-    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    monkeypatch.setattr(files.os, "replace", real_replace)
     assert not (tmp_path / "ck").exists()            # the crash window: no checkpoint under its name
     (tmp_path / ".ck.tmp-killedwriter").mkdir()       # and a temp directory a killed writer left
     listing = sorted(os.listdir(tmp_path))
@@ -208,24 +209,37 @@ def test_a_kill_between_the_two_renames_of_a_swap_is_recovered(tmp_path, debug_m
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
-def test_a_file_written_atomically_is_the_old_or_the_new_one(tmp_path):
-    """write_text_atomic (run settings, resumable logs, a data build's completion record): a write that fails
-    part-way (here: text that cannot be encoded, after its first characters were written) leaves the previous
-    file whole and no temp file; a write that succeeds replaces it, with the mode a plain write would give."""
-    from clover.model.files import write_text_atomic
+def test_a_file_written_atomically_is_the_old_or_the_new_one(tmp_path, monkeypatch):
+    """write_text_atomic (run settings, resumable logs, a data build's completion record): a write killed
+    after the new text went out but before the rename leaves the previous file whole and no temp file; a
+    write that succeeds replaces it, a new file with the mode a plain write gives, an existing one keeping its
+    own; a symbolic link is written through."""
+    import clover.model.files as files
 
     path = tmp_path / "train_config.json"
-    write_text_atomic(path, '{"dtype": "bfloat16"}\n')
-    with pytest.raises(UnicodeEncodeError):
-        write_text_atomic(path, '{"dtype": "' + "x" * 100_000 + "\ud800")
-    assert path.read_text() == '{"dtype": "bfloat16"}\n'
-    assert os.listdir(tmp_path) == ["train_config.json"]
-    write_text_atomic(path, "new\n")
-    assert path.read_text() == "new\n"
+    files.write_text_atomic(path, '{"dtype": "bfloat16"}\n')
     umask = os.umask(0)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    written = []
+
+    def killed(fd):
+        written.append(os.fstat(fd).st_size)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.os, "fsync", killed)
+    with pytest.raises(KeyboardInterrupt):
+        files.write_text_atomic(path, '{"dtype": "float32"}\n')
+    monkeypatch.undo()
+    assert written == [len('{"dtype": "float32"}\n')]   # the new text was out when the kill came
+    assert path.read_text() == '{"dtype": "bfloat16"}\n'
     assert os.listdir(tmp_path) == ["train_config.json"]
+    path.chmod(0o600)
+    (tmp_path / "link.json").symlink_to(path)
+    files.write_text_atomic(tmp_path / "link.json", "new\n")
+    assert path.read_text() == "new\n" and (tmp_path / "link.json").is_symlink()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "train_config.json"]
 
 
 # -- conversion --------------------------------------------------------------------------------------

@@ -155,6 +155,10 @@ def test_eval_tasks_reuses_kept_task_runs_only_for_the_same_weights_and_settings
     (runs / "thinking-off").mkdir()
     _fresh_unless_same(runs, {**same, "weights_sha256": weights_digest(str(model)), "count": 40})  # other settings
     assert not (runs / "thinking-off").exists()
+    (runs / "thinking-off").mkdir()
+    (runs / "identity.json").write_text('{"weights_sha2')   # a marker cut short: not this model's runs
+    _fresh_unless_same(runs, same)
+    assert not (runs / "thinking-off").exists() and json.loads((runs / "identity.json").read_text()) == same
 
 
 def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monkeypatch):

@@ -2,11 +2,12 @@
 
 The layers are the subpackages of `clover` (see `clover/__init__.py`): model < engine < serving;
 training builds on model and engine; evaluation talks to models over HTTP only (it may use the task
-generators of training, and the model layer's atomic writes, `model.files`); the command line sits on top of everything. Imports under
-`if TYPE_CHECKING:` are annotations only and are not counted.
+generators of training, and the model layer's atomic writes, `model.files`); the command line sits on top
+of everything. Imports under `if TYPE_CHECKING:` are annotations only and are not counted.
 """
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "clover"
@@ -69,6 +70,14 @@ def test_layers_import_downwards_only():
     bad = [f"{m} imports {i}" for m, deps in graph.items() for i in sorted(deps)
            if i.split(".")[0] not in MAY_IMPORT[m.split(".")[0]] and i not in MAY_IMPORT[m.split(".")[0]]]
     assert not bad, "\n".join(bad)
+
+
+def test_the_atomic_writes_the_evaluation_layer_may_use_need_only_the_standard_library():
+    tree = ast.parse((PACKAGE / "model" / "files.py").read_text())
+    imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    assert imported and imported <= sys.stdlib_module_names, imported - sys.stdlib_module_names
 
 
 def test_no_import_circle():

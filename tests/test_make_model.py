@@ -25,10 +25,11 @@ def _train(tmp_path: Path, run: Path) -> list[str]:
     (bin_dir / "clover").chmod(0o755)
     record = tmp_path / "args.txt"
     record.unlink(missing_ok=True)
-    program = f'BIN={bin_dir}; DTYPE=bfloat16; timed() {{ shift; "$@"; }}\n{function.group(0)}\ntrain "$1" --steps 9\n'
+    program = (f'set -euo pipefail\nBIN={bin_dir}; DTYPE=bfloat16; timed() {{ shift; "$@"; }}\n'
+               f'{function.group(0)}\ntrain "$1" --steps 9\n')
     subprocess.run(["bash", "-c", program, "make_model", str(run)], check=True, env={"RECORD": str(record),
                                                                                        "PATH": "/usr/bin:/bin"})
-    return record.read_text().split() if record.exists() else []
+    return record.read_text().splitlines() if record.exists() else []
 
 
 def _started(run: Path, dtype: str = "float32") -> None:
@@ -38,10 +39,12 @@ def _started(run: Path, dtype: str = "float32") -> None:
 
 
 @pytest.mark.parametrize("checkpoint", ["checkpoint", ".checkpoint.old-4242"])
-def test_a_run_with_a_checkpoint_is_continued_in_its_own_dtype(tmp_path, checkpoint):
+@pytest.mark.parametrize("name", ["ar", "a r [1]*"])
+def test_a_run_with_a_checkpoint_is_continued_in_its_own_dtype(tmp_path, checkpoint, name):
     """Also when a kill between the two renames of a checkpoint swap left it moved aside: `--resume` moves it
-    back (recover_directory); starting over would delete the run."""
-    run = tmp_path / "runs" / "ar"
+    back (recover_directory); starting over would delete the run. (Also where the run's path holds spaces
+    or glob characters.)"""
+    run = tmp_path / "runs" / name
     _started(run)
     (run / checkpoint).mkdir()
     (run / checkpoint / "trainer_state.pt").write_bytes(b"state")

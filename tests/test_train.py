@@ -261,6 +261,19 @@ def test_interrupted_checkpoint_write_is_never_loaded(data_dir, tmp_path, monkey
     assert record["step"] == 6 and (run / "model" / "tokenizer.json").is_file()
 
 
+def test_resume_after_a_kill_mid_swap_and_mid_append(data_dir, tmp_path):
+    """A kill between the two renames of a checkpoint swap leaves the checkpoint moved aside, and one
+    mid-append a partial last log record: --resume moves the checkpoint back and drops the partial record."""
+    run = tmp_path / "run"
+    train(_cfg(data_dir, run, steps=3))
+    (run / "checkpoint").rename(run / ".checkpoint.old-4242")
+    with open(run / "log.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 4, "lo')
+    record = train(_cfg(data_dir, run, steps=6), resume=True)
+    assert record["step"] == 6 and not (run / ".checkpoint.old-4242").exists()
+    assert [r["step"] for r in _records(run)] == [1, 2, 3, 4, 5, 6]
+
+
 def test_run_directory_protects_existing_runs_and_settings(data_dir, tmp_path):
     run = tmp_path / "run"
     train(_cfg(data_dir, run, steps=2))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clover.engine.sampling import ALGORITHMS
+from clover.model.files import write_text_atomic
 
 if TYPE_CHECKING:
     from clover.evaluation.harness import Endpoint
@@ -76,7 +77,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result["model"] = str(args.model or "shipped")
     result["dtype"] = str(model.dtype).removeprefix("torch.")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(args.out, json.dumps(result, indent=2) + "\n")   # its presence says the step is done
     summary = {k: v for k, v in result.items() if k != "runs"}
     if "runs" in result:
         summary["runs"] = [{k: v for k, v in r.items() if k != "outcomes"} for r in result["runs"]]
@@ -111,11 +112,15 @@ def _fresh_unless_same(root: Path, identity: dict) -> None:
     import shutil
 
     marker = root / "identity.json"
-    if root.is_dir() and (not marker.is_file() or json.loads(marker.read_text()) != identity):
+    try:
+        same = json.loads(marker.read_text()) == identity
+    except (OSError, ValueError):   # none, or unreadable: the runs cannot be told to be this model's
+        same = False
+    if root.is_dir() and not same:
         print(f"{root}: task runs of other weights or settings; starting afresh", file=sys.stderr)
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(identity, indent=2) + "\n")
+    write_text_atomic(marker, json.dumps(identity, indent=2) + "\n")
 
 
 def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:

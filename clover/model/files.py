@@ -1,30 +1,46 @@
-"""Writes that a crash or a kill cannot leave half done.
+"""Writes that a kill cannot leave half done.
 
 A file or directory that a later step reads back (a checkpoint, a run's settings, a resumable log, a data
 build's completion record, an evaluation's results) is written beside its target and renamed over it: a
-reader sees the old version or the new one, never a truncated one. Standard library only, so that every
-layer may use it (the evaluation layer included, which never loads a model).
+reader sees the old version or the new one, never a truncated one (after a kill of the process; files are
+synced before the rename, directories are not, so a power cut may still lose the rename). Standard library
+only, so that every layer may use it (the evaluation layer included, which never loads a model).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)   # (the only portable way to read it; once, at import, before any thread of ours)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Replace `path` with `text` (UTF-8) in one rename; the temp file is removed if writing fails."""
-    path = Path(path)
+    """Replace `path` with `text` (UTF-8) in one rename; the temp file is removed if writing fails. The file
+    keeps its mode (a new one: what a plain write gives); a symbolic link is written through."""
+    path = Path(os.path.realpath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; keep the mode a plain write would give
+        try:   # mkstemp makes it private
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = 0o666 & ~_UMASK
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -54,9 +70,9 @@ def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         fill(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is as shareable as any file
+        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes it private; a checkpoint is as shareable as any file
         for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~_umask())
+            os.chmod(f, 0o666 & ~_UMASK)
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)
@@ -68,8 +84,3 @@ def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
