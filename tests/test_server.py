@@ -407,6 +407,9 @@ def test_full_queue_answers_429_and_api_key_is_enforced():
             "invalid_api_key"
         assert http.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert http.get("/health").status_code == 200  # probes need no key
+        assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 401   # the tokenizer needs it
+        assert http.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekrit"}).status_code \
+            == 200
     app = build_app(TextScriptModel([5] * 500, config), tok, ServerConfig(model_name="m", max_waiting=0,
                                                                           max_body_bytes=2000), max_batch_size=1)
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -547,6 +550,19 @@ def test_model_by_id_tokenize_detokenize_and_head_health(server):
             "name": "f", "parameters": {"type": "object", "properties": {"a": 5}}}}]}), "tools"),
     ("NaN temperature", "/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"temperature":NaN}',
      "temperature"),
+    ("an integer of 5,000 digits", "/v1/chat/completions",
+     '{"messages":[{"role":"user","content":"x"}],"max_tokens":' + "9" * 5000 + "}", None),
+    ("a logit_bias key of 5,000 digits", "/v1/chat/completions",
+     '{"messages":[{"role":"user","content":"x"}],"logit_bias":{"' + "1" * 5000 + '":1}}', "logit_bias"),
+    ("seed beyond 63 bits", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "seed": 2**64}), "seed"),
+    ("a prompt holding the mask token", "/v1/completions", json.dumps({"prompt": [5, 9]}), "prompt"),
+    ("a grammar longer than compiled", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a" * 300_000}), None),
+    # compiles, but the parser's limits fail it at the first token: the request's fault, not a 500
+    ("a choice of 20,000 strings", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "guided_choice": [f"choice{i}" for i in range(20_000)]}),
+     None),
 ])
 def test_hostile_bodies_get_a_400_not_a_500(name, path, body, param):
     from fastapi.testclient import TestClient

@@ -86,6 +86,36 @@ def test_regex_and_choice_constraints(setup, algorithm):
     assert r.text in ("yes", "no", "maybe")
 
 
+def test_long_chains_of_rules_compile_without_taking_the_process_down():
+    """llguidance's compiler recurses along chains of rules: a 5,000-rule Lark chain or a 5,000-long $ref chain
+    overflowed an 8 MiB thread stack and killed the process (a server with it). Compiled on the grammar
+    thread's stack (in a child process here, so that a regression fails this test rather than the run), and
+    a source beyond MAX_GRAMMAR_CHARS is refused before it reaches llguidance."""
+    program = """
+from clover.engine.structured import Constraint, GrammarCompiler, grammar_error
+from clover.model.tokenizer import Tokenizer
+tok = Tokenizer.train(["x y z some text"] * 10, vocab_size=280)
+n = 5000
+lark = Constraint("lark", "start: r0\\n" + "\\n".join(f'r{i}: "x" r{i + 1}' for i in range(n)) + f'\\nr{n}: "y"')
+defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+defs[f"d{n}"] = {"type": "string"}
+schema = Constraint.json_schema({"$defs": defs, "$ref": "#/$defs/d0"})
+for c in (lark, schema):
+    assert grammar_error(c) is None, grammar_error(c)
+    m = GrammarCompiler(tok, 280, [0]).matcher(c)
+    assert m.allowed().any()
+print("ok")
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
+    from clover.engine.structured import MAX_GRAMMAR_CHARS, grammar_error
+
+    assert "at most" in grammar_error(Constraint("regex", "a" * (MAX_GRAMMAR_CHARS + 1)))
+
+
 def test_a_bad_grammar_is_a_clear_error(setup):
     model, tok = setup
     engine = Engine(model, tok)

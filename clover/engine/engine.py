@@ -26,7 +26,7 @@ from clover.engine.policies import POLICIES, Policy
 from clover.engine.prefix_cache import PrefixStore, block_keys
 from clover.engine.sampling import InvalidParameter, SamplingParams, TokenLogprob, has_penalties, token_logprobs
 from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
-from clover.engine.structured import GrammarCompiler
+from clover.engine.structured import GrammarCompiler, GrammarError
 from clover.model.cache import PrefixCache
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CheckTrail, CloverForCausalLM
@@ -107,7 +107,8 @@ class Engine:
         return rid
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        """The prompt as ints; InvalidParameter("prompt") when it is empty or leaves the vocabulary."""
+        """The prompt as ints; InvalidParameter("prompt") when it is empty, leaves the vocabulary or holds the
+        mask token (the decoders would take a prompt token inside a block for a slot to fill)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise InvalidParameter("prompt", "prompt is empty: give at least one token")
@@ -115,6 +116,9 @@ class Engine:
         if bad is not None:
             raise InvalidParameter("prompt", f"prompt token {bad} is outside the vocabulary [0, "
                                              f"{self.config.vocab_size})")
+        if self.config.mask_token_id in prompt:
+            raise InvalidParameter("prompt", f"the prompt holds the mask token ({self.config.mask_token_id}), "
+                                             "which only the decoders place")
         return prompt
 
     @torch.inference_mode()
@@ -455,6 +459,10 @@ class Engine:
         "error", the message in its last event), never the others of the batch."""
         try:
             yield
+        except GrammarError as exc:   # the request's own grammar failed (a limit of the parser): its error
+            log.warning("request %s: its grammar failed: %.500s", s.rid, exc)
+            if s.finish_reason is None:
+                self.finish(s, [], [], "error", events, error=f"its grammar failed: {exc}", invalid=True)
         except Exception as exc:
             log.exception("request %s failed", s.rid)
             if s.finish_reason is None:
@@ -571,7 +579,7 @@ class Engine:
         return delta
 
     def finish(self, s: SequenceState, tokens: list[int], steps: list[int], reason: str, events: list[Event],
-               text: str | None = None, error: str | None = None) -> None:
+               text: str | None = None, error: str | None = None, invalid: bool = False) -> None:
         s.generated.extend(tokens)
         s.accept_steps.extend(steps)
         s.finish_reason = reason
@@ -587,7 +595,7 @@ class Engine:
             stop_logprob=s.stop_logprob,
         )
         start = s.emitted
-        events.append(Event(s.rid, self._new_tokens(s), delta, True, result, error, self._logprobs(s, start)))
+        events.append(Event(s.rid, self._new_tokens(s), delta, True, result, error, self._logprobs(s, start), invalid))
 
     def _retire(self) -> None:
         for s in [s for s in self.running if s.finish_reason is not None]:

@@ -94,8 +94,8 @@ class SamplingParams:
             bad("stop", "a list of non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"token ids in [0, {vocab_size})")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad("seed", "a non-negative integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            bad("seed", "an integer in [0, 2**63)")   # (what torch.Generator takes)
         if any(not isinstance(i, int) or not 0 <= i < vocab_size or not math.isfinite(b) or not -100 <= b <= 100
                for i, b in self.logit_bias) or len(self.logit_bias) > 1024:
             bad("logit_bias", f"up to 1024 token ids in [0, {vocab_size}) with biases between -100 and 100")

@@ -94,6 +94,7 @@ class Event:
     result: GenerationResult | None = None
     error: str | None = None                   # set when this request failed (finish_reason "error")
     logprobs: list[TokenLogprob] | None = None  # of token_ids, when params.logprobs is set
+    invalid: bool = False                      # the error came from the request itself (its grammar), not Clover
 
 
 @dataclass(eq=False)  # identity: the engine keeps sequences in lists and tests membership

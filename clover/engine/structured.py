@@ -35,7 +35,10 @@ import functools
 import itertools
 import json
 import logging
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -80,6 +83,35 @@ def _llguidance() -> Any:
     return llguidance
 
 
+# llguidance's compiler recurses along chains of rules: on a thread's usual 8 MiB stack a Lark grammar of a
+# 3,000-rule chain, or a JSON schema of a 5,000-long $ref chain, overflowed it and killed the process (one
+# request taking the server down). So grammar sources are bounded (MAX_GRAMMAR_CHARS: at most ~15,000 chained
+# Lark rules, ~7,500 $refs), and compiled on a thread of its own with a stack 32x the usual (a 20,000-rule
+# chain compiled there; matching a compiled grammar does not recurse along it: 20,000 rules matched on 8 MiB).
+MAX_GRAMMAR_CHARS = 256 * 1024
+_COMPILE_STACK_BYTES = 256 * 2**20
+_compile_pool: ThreadPoolExecutor | None = None
+_compile_lock = threading.Lock()
+
+
+def _compiled(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) on the grammar compiler's thread (a 256 MiB stack); inline where the platform cannot
+    size a thread's stack."""
+    global _compile_pool
+    with _compile_lock:
+        if _compile_pool is None:
+            try:
+                old = threading.stack_size(_COMPILE_STACK_BYTES)
+            except (ValueError, RuntimeError):   # (not settable here)
+                return fn(*args)
+            try:
+                _compile_pool = ThreadPoolExecutor(1, thread_name_prefix="clover-grammar")
+                _compile_pool.submit(int).result()   # its thread starts now, with that stack
+            finally:
+                threading.stack_size(old)
+    return _compile_pool.submit(fn, *args).result()
+
+
 # JSON is written as json.dumps writes it (the style of every JSON the model saw: tool definitions,
 # arguments): ", " and ": ", no other whitespace. Free whitespace lets a weak model pad forever.
 # A schema's own "x-guidance" options override these.
@@ -88,8 +120,15 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 @functools.lru_cache(maxsize=256)
 def _grammar(constraint: Constraint) -> str:
+    """The constraint as an llguidance grammar (GrammarError if its source is too long or malformed)."""
+    if len(constraint.source) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{constraint.kind}: the grammar is {len(constraint.source):,} characters long; at most "
+                           f"{MAX_GRAMMAR_CHARS:,} are compiled")
+    return _compiled(_grammar_text, constraint.kind, constraint.source)
+
+
+def _grammar_text(kind: str, src: str) -> str:
     ll = _llguidance()
-    kind, src = constraint.kind, constraint.source
     try:
         if kind == "json_object":
             return ll.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
@@ -111,7 +150,7 @@ def grammar_error(constraint: Constraint) -> str | None:
     """Why the constraint's grammar does not compile (None: it does), without a tokenizer: for a caller
     that would rather go without a grammar than refuse the request."""
     try:
-        is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(_grammar(constraint))
+        is_error, messages = _compiled(_llguidance().LLMatcher.validate_grammar_with_warnings, _grammar(constraint))
     except GrammarError as exc:
         return str(exc)
     return "; ".join(messages) if is_error else None
@@ -134,7 +173,7 @@ class GrammarCompiler:
     def matcher(self, constraint: Constraint) -> Matcher:
         m = self._built.get(constraint)
         if m is None:
-            m = self._ll.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
+            m = _compiled(lambda g: self._ll.LLMatcher(self._tokenizer, g, log_level=0), _grammar(constraint))
             if m.is_error():
                 raise GrammarError(f"{constraint.kind}: {m.get_error()}")
             self._built[constraint] = m

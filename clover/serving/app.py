@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from clover.engine.engine import Engine, GenerationResult
 from clover.engine.sampling import LOGPROB_ALGORITHMS, MAX_LOGPROBS, InvalidParameter, SamplingParams, TokenLogprob
@@ -151,7 +152,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
     @app.middleware("http")
     async def _auth_and_count(request: Request, call_next: Any) -> Any:
-        if cfg.api_key and request.url.path.startswith("/v1/"):
+        if cfg.api_key and (request.url.path.startswith("/v1/") or request.url.path in PROTECTED):
             sent = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(sent, f"Bearer {cfg.api_key}".encode()):  # constant time
                 metrics.http_error(401)
@@ -195,16 +196,21 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         if int(request.headers.get("content-length") or 0) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect as exc:   # the client left before its body arrived: nobody to answer
+            raise ClientGone() from exc
         raw = b"".join(chunks)
         try:
             data = await asyncio.to_thread(parse_json_body, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+        except ValueError as exc:   # e.g. an integer of more digits than Python converts (4,300)
+            raise APIError(400, f"request body cannot be read: {exc}") from exc
         except RecursionError as exc:
             raise APIError(400, "request body nests too deeply") from exc
         if not isinstance(data, dict):
@@ -237,8 +243,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             algorithm=algorithm, block_size=req.block_size, threshold=req.threshold)
         bias = []
         for key, value in (req.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()):
-                raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise APIError(400, f"logit_bias keys are token ids, got {key[:40]!r}", param="logit_bias")
             bias.append((int(key), float(value)))
         # validated by the engine when the request is added (`_start_error` names the field)
         return SamplingParams(**decoding, max_new_tokens=max_new, seed=req.seed, stop=stop,
@@ -309,7 +315,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     def _n_params(params: SamplingParams, n: int) -> list[SamplingParams]:
         if n == 1:
             return [params]
-        return [params.with_(seed=None if params.seed is None else params.seed + i) for i in range(n)]
+        return [params.with_(seed=None if params.seed is None else (params.seed + i) % 2**63) for i in range(n)]
 
     def _start_error(exc: BaseException) -> APIError:
         if isinstance(exc, QueueFull):
@@ -628,6 +634,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
 
 SHUTDOWN_GRACE_S = 30
+# routes outside /v1/ that an --api-key protects as well (they run the tokenizer on the caller's text)
+PROTECTED = ("/tokenize", "/detokenize")
 
 
 def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,

@@ -242,7 +242,8 @@ class AsyncEngine:
                     self._records.pop(ev.request_id, None)
                     for observer in self.observers:
                         observer.request_ended("error")
-                    self._deliver(ev.request_id, RuntimeError(f"generation failed: {ev.error}"))
+                    failure = ValueError if ev.invalid else RuntimeError   # the request's fault (400) or ours
+                    self._deliver(ev.request_id, failure(f"generation failed: {ev.error}"))
                     continue
                 if record is not None and ev.token_ids:
                     if record.first_token is None:
