@@ -124,6 +124,8 @@ def test_streamed_chat_logprobs_equal_the_whole_reply(served):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "add echo"),
     ({"prompt": "x", "logprobs": 50, "echo": True, "max_tokens": 0}, "logprobs", "at most 20"),
+    ({"prompt": "x", "logprobs": 1, "echo": True, "max_tokens": 0, "stream": True}, "stream", "neither streamed"),
+    ({"prompt": "x", "logprobs": 1, "echo": True, "max_tokens": 0, "n": 2}, "n", "nor sampled n times"),
     ({"prompt": [1, 2, 99999], "max_tokens": 2}, "prompt", "outside the vocabulary"),
     ({"prompt": [], "max_tokens": 2}, "prompt", "1 to 64 prompts"),
 ])

@@ -153,6 +153,13 @@ BAD = [
     ("tool bad parameter name", {"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
             "a>b": {"type": "string"}}}}}]}, 400, "tools"),
+    ("two tools of one name", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),
+    ("misspelt structured output", {"messages": [{"role": "user", "content": "x"}],
+                                    "structured_outputs": {"regx": "a+"}}, 400, "structured_outputs"),
+    ("misspelt stream option", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                "stream_options": {"include_usge": True}}, 400, "stream_options"),
     ("tool_choice unknown", {"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      400, "tool_choice"),
@@ -191,6 +198,8 @@ def test_completions_errors_and_unknown_routes(server):
     assert [c["index"] for c in batch["choices"]] == [0, 1]          # a batch of prompts: one choice each
     assert httpx.post(url + "/v1/completions", json={"prompt": ["a"] * 65}).status_code == 400
     assert httpx.post(url + "/v1/completions", json={"prompt": ["a", ""]}).status_code == 400
+    long = httpx.post(url + "/v1/completions", json={"prompt": "word " * 3000}, timeout=60)
+    assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"
     r = httpx.get(url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
 

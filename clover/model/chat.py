@@ -122,6 +122,9 @@ def validate_tools(tools: list[dict] | None) -> list[dict]:
             raise ChatFormatError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
         if not isinstance(fn.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", fn["name"]):
             raise ChatFormatError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-'")
+        if any(isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name") == fn["name"]
+               for t in tools[:i]):   # a call names its tool: two of one name could not be told apart
+            raise ChatFormatError(f"tools[{i}].function.name {fn['name']!r} is the name of an earlier tool")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict) or params.get("type", "object") != "object" or not isinstance(
             params.get("properties", {}), dict

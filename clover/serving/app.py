@@ -229,7 +229,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         room = ctx - prompt_len
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens but the context limit is {ctx} tokens",
-                           param="messages", code="context_length_exceeded")
+                           param="messages" if isinstance(req, ChatRequest) else "prompt",
+                           code="context_length_exceeded")
         if max_new is not None and max_new > room:
             raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_new}) exceeds the context "
                                 f"limit of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
@@ -478,6 +479,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens 0 generates nothing; add echo (with logprobs) to score the prompt",
                            param="max_tokens")
+        if req.max_tokens == 0 and (req.stream or req.n != 1):   # scoring answers once, whole, per prompt
+            raise APIError(400, "scoring a prompt (max_tokens 0 with echo) is neither streamed nor sampled n times",
+                           param="stream" if req.stream else "n")
         if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be at most {MAX_LOGPROBS}", param="logprobs")
         stops = _stops(req.stop)

@@ -46,6 +46,13 @@ class _Request(_Strict):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+class _Options(_Strict):
+    """Nested options of a request (output format, streaming): a misspelt field is an error, as at the top
+    level (dropped, it would leave the reply unconstrained without a word)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
 class FunctionDef(_Strict):
     name: str
     description: str | None = None
@@ -99,12 +106,12 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Options):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(_Options):
     """vLLM's `structured_outputs` (one of them)."""
 
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -114,7 +121,7 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Options):
     include_usage: bool = False
 
 
