@@ -229,9 +229,13 @@ def test_bad_structured_requests_are_refused_clearly(url, body, param):
     assert status == 400 and out["error"]["param"] == param, out
 
 
-def test_a_grammar_that_does_not_compile_is_a_400(url):
-    status, out = _chat(url, messages=[{"role": "user", "content": "x"}], guided_regex="(unclosed")
-    assert status == 400 and "regex" in out["error"]["message"], out
+@pytest.mark.parametrize("field,value", [
+    ("guided_regex", "(unclosed"), ("guided_grammar", "start: (("),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(("}}}),
+    ("structured_outputs.regex", {"regex": "(unclosed"})])
+def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(url, field, value):
+    status, out = _chat(url, messages=[{"role": "user", "content": "x"}], **{field.split(".")[0]: value})
+    assert status == 400 and out["error"]["param"] == field and out["error"]["message"].startswith(field), out
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from clover.engine.structured import Constraint, auto_tool_calls, tool_call_grammar
+from clover.engine.structured import Constraint, auto_tool_calls, grammar_error, tool_call_grammar
 from clover.model.chat import ChatFormatError, StreamingParser, validate_tools
 from clover.model.tokenizer import Tokenizer
 from clover.serving.protocol import APIError, ChatRequest, MessageIn, NamedToolChoice, SamplingRequest, ToolDef
@@ -63,7 +63,19 @@ def constraint_from(req: SamplingRequest) -> Constraint | None:
     if len(found) > 1:
         raise APIError(400, f"give one structured-output constraint, not {', '.join(n for n, _ in found)}",
                        param=found[1][0])
-    return found[0][1] if found else None
+    if not found:
+        return None
+    name, constraint = found[0]
+    return _compiles(constraint, name)
+
+
+def _compiles(constraint: Constraint, param: str) -> Constraint:
+    """The constraint, if its grammar compiles; else a 400 naming the field it came from (the engine would
+    refuse it too, without the name)."""
+    problem = grammar_error(constraint)
+    if problem is not None:
+        raise APIError(400, f"{param}: {problem[:2000]}", param=param)
+    return constraint
 
 
 def thinking_from(kwargs: dict[str, Any] | None) -> bool:
@@ -141,8 +153,9 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         specials = tokenizer.special_ids
         if req.constrain_tool_calls is not False:   # (false: the call is opened for the model, then left to it)
-            constraint = Constraint("lark", tool_call_grammar(tools, named, req.parallel_tool_calls is not False,
-                                                              specials["<tool_call>"], specials["</tool_call>"]))
+            constraint = _compiles(Constraint("lark", tool_call_grammar(
+                tools, named, req.parallel_tool_calls is not False, specials["<tool_call>"], specials["</tool_call>"])),
+                "tools")
     elif tools and choice == "auto" and constraint is None and req.constrain_tool_calls is not False \
             and not req.ignore_eos:   # (a grammar ends the reply where it completes)
         constraint = auto_tool_calls(tools, tokenizer, thinking, req.parallel_tool_calls is not False)
