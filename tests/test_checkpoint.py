@@ -294,6 +294,28 @@ def test_cli_errors_are_one_line_and_exit_non_zero(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_commands_never_replace_what_is_not_theirs(tmp_path, capsys):
+    """init, convert, export and data build/distill write by replacing their target: over a user's files, a
+    file, their own source or the corpus they read, they refuse instead (found by a hostile CLI pass)."""
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "data.txt").write_text("keep me")
+    assert cli_main(["init", str(mine), "--preset", "debug", "--no-tokenizer"]) == 1
+    assert "not a checkpoint" in capsys.readouterr().err and (mine / "data.txt").read_text() == "keep me"
+    (tmp_path / "afile").write_text("keep me too")
+    assert cli_main(["init", str(tmp_path / "afile"), "--preset", "debug", "--no-tokenizer"]) == 1
+    assert (tmp_path / "afile").read_text() == "keep me too"
+    model = tmp_path / "m"
+    assert cli_main(["init", str(model), "--preset", "debug", "--no-tokenizer"]) == 0
+    assert cli_main(["init", str(model), "--preset", "debug", "--no-tokenizer", "--seed", "1"]) == 0  # a checkpoint
+    assert cli_main(["export", str(model), str(model), "--causal"]) == 1
+    assert "is the source" in capsys.readouterr().err
+    assert cli_main(["convert", str(model), str(mine)]) == 1 and (mine / "data.txt").is_file()
+    assert cli_main(["data", "build", "--out", str(mine)]) == 1 and (mine / "data.txt").read_text() == "keep me"
+    assert cli_main(["data", "distill", "--model", str(model), "--data", str(tmp_path), "--out", str(tmp_path)]) == 1
+    assert "would replace --data" in capsys.readouterr().err
+
+
 def test_saved_checkpoints_follow_the_umask_not_the_temp_dir_mode(tmp_path, debug_model):
     save_checkpoint(debug_model, tmp_path / "ck")
     umask = os.umask(0)

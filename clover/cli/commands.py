@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from clover.cli.evaluate import add_bench_parser, add_eval_parser
 from clover.cli.generate import add_chat_parser, add_generate_parser, add_serve_parser
@@ -35,6 +36,7 @@ from clover.model.checkpoint import (
 )
 from clover.model.checks import verify_model
 from clover.model.config import PRESETS, CloverConfig, ConfigError
+from clover.model.files import check_replaceable
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import Tokenizer, TokenizerError, stdlib_texts
 
@@ -47,6 +49,7 @@ def _human(n: int) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
+    check_replaceable(args.directory, "config.json", "a checkpoint")
     check_gdn_init(args.gdn_gate_z, args.gdn_dt_max)   # before a tokenizer is trained
     overrides = json.loads(args.override) if args.override else {}
     config = CloverConfig.preset(args.preset, **overrides)
@@ -71,7 +74,14 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _source_and_target(source: str, target: str) -> None:
+    if Path(source).resolve() == Path(target).resolve():
+        raise ValueError(f"the target {target} is the source: write it elsewhere")
+    check_replaceable(target, "config.json", "a checkpoint")
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
+    _source_and_target(args.source, args.target)
     config = convert_transformers_checkpoint(args.source, args.target, dtype=args.dtype, block_size=args.block_size,
                                              mask_token_id=args.mask_token_id)
     total, active = config.num_parameters()
@@ -81,6 +91,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    _source_and_target(args.source, args.target)
     count = export_causal(args.source, args.target, dtype=None if args.dtype == "auto" else args.dtype)
     print(f"exported the causal model of {args.source} -> {args.target}: {count} tensors, a transformers "
           "Qwen3_5MoeForCausalLM checkpoint (no trust_remote_code needed)")
@@ -207,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (CheckpointError, ConfigError, TokenizerError, ChatFormatError, ValueError, FileNotFoundError,
+    except (CheckpointError, ConfigError, TokenizerError, ChatFormatError, ValueError, OSError,
             json.JSONDecodeError) as exc:
         print(f"clover {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"clover {args.command}: interrupted", file=sys.stderr)
+        return 130
 

@@ -157,7 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"{DIM}[{s.generated_tokens} tokens, {s.nfe} forwards, TPF {s.tpf:.2f}, {s.tokens_per_s:.1f} tokens/s, "
               f"finish: {result.finish_reason}]{RESET}", file=sys.stderr)
     _show(result, prompt, tok, args)
-    return 0
+    return 1 if result.finish_reason == "error" else 0
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:

@@ -12,6 +12,7 @@ from itertools import islice
 from pathlib import Path
 
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
+from clover.model.files import check_replaceable
 from clover.model.tokenizer import Tokenizer
 from clover.training.data import build_corpus, encode_corpus, read_raw
 from clover.training.trainer import TrainConfig, train
@@ -19,6 +20,7 @@ from clover.training.trainer import TrainConfig, train
 
 def cmd_data_build(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    check_replaceable(out, "manifest.json", "a data directory")
     t0 = time.perf_counter()
     counts = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
     recall = {"train": args.recall_train, "val": args.recall_eval, "test": args.recall_eval}
@@ -96,6 +98,11 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_data_distill(args: argparse.Namespace) -> int:
     from clover.training.distill import build_distill_data
+
+    out, data = Path(args.out).resolve(), Path(args.data).resolve()
+    if out == data or out in data.parents:
+        raise ValueError(f"--out {args.out} would replace --data {args.data}; write it elsewhere")
+    check_replaceable(out, "tokens/counts.json", "distillation data")
     counts = build_distill_data(args.model, args.data, args.out, args.chat, args.code, args.new_tokens,
                                 batch=args.batch, seed=args.seed)
     print(json.dumps(counts))

@@ -47,6 +47,19 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def check_replaceable(target: str | os.PathLike, marker: str, what: str) -> None:
+    """Refuse to write `target` over anything but an earlier `what` (a directory holding `marker`) or an empty
+    directory: the atomic swaps that replace a target delete what it held (a user's files, a corpus)."""
+    target = Path(target)
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise ValueError(f"{target} is a file, not a directory for {what}; choose another place")
+    if any(target.iterdir()) and not (target / marker).is_file():
+        raise ValueError(f"{target} holds files that are not {what}: it would be replaced; choose an empty or new "
+                         "directory")
+
+
 def recover_directory(target: str | os.PathLike) -> None:
     """Finish what a writer killed mid-swap left: if `target` is missing but its previous version was moved
     aside (`.NAME.old-PID`), move it back; then remove leftover temp and old copies. Run before reading or
