@@ -116,6 +116,26 @@ print("ok")
     assert "at most" in grammar_error(Constraint("regex", "a" * (MAX_GRAMMAR_CHARS + 1)))
 
 
+def test_a_forked_child_compiles_grammars_too():
+    """The compiler's thread does not survive a fork: a child that compiles starts its own (it waited forever
+    on the parent's)."""
+    import subprocess
+    import sys
+
+    program = """
+import os
+from clover.engine.structured import Constraint, grammar_error
+assert grammar_error(Constraint("regex", "a+")) is None
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if grammar_error(Constraint("regex", "b+")) is None else 3)
+assert os.waitpid(pid, 0)[1] == 0
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_a_bad_grammar_is_a_clear_error(setup):
     model, tok = setup
     engine = Engine(model, tok)

@@ -35,6 +35,7 @@ import functools
 import itertools
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -91,15 +92,16 @@ def _llguidance() -> Any:
 MAX_GRAMMAR_CHARS = 256 * 1024
 _COMPILE_STACK_BYTES = 256 * 2**20
 _compile_pool: ThreadPoolExecutor | None = None
+_compile_pid = 0            # the process that started the pool (a forked child has no thread behind it)
 _compile_lock = threading.Lock()
 
 
 def _compiled(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) on the grammar compiler's thread (a 256 MiB stack); inline where the platform cannot
     size a thread's stack."""
-    global _compile_pool
+    global _compile_pool, _compile_pid
     with _compile_lock:
-        if _compile_pool is None:
+        if _compile_pool is None or _compile_pid != os.getpid():
             try:
                 old = threading.stack_size(_COMPILE_STACK_BYTES)
             except (ValueError, RuntimeError):   # (not settable here)
@@ -107,6 +109,7 @@ def _compiled(fn: Callable[..., Any], *args: Any) -> Any:
             try:
                 _compile_pool = ThreadPoolExecutor(1, thread_name_prefix="clover-grammar")
                 _compile_pool.submit(int).result()   # its thread starts now, with that stack
+                _compile_pid = os.getpid()
             finally:
                 threading.stack_size(old)
     return _compile_pool.submit(fn, *args).result()
