@@ -28,7 +28,7 @@ import httpx
 
 from clover.evaluation.client import InfraError, ModelError, StreamedReply, stream_chat
 from clover.evaluation.suites import Environment, HarnessTask, check_suite, suite_tasks
-from clover.model.files import write_text_atomic
+from clover.model.files import json_lines, write_text_atomic
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
            "infrastructure_error")
@@ -199,11 +199,10 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
     results_path = out / "results.jsonl"
     previous: list[dict] = []
     if resume and results_path.is_file():
-        lines = results_path.read_text().splitlines()
         # a run killed while writing leaves at most one partial last line: drop it and redo that task run
-        whole = [x for x in lines if x.strip() and _is_json(x)]
-        write_text_atomic(results_path, "".join(x + "\n" for x in whole))
-        previous = [json.loads(x) for x in whole]
+        whole = json_lines(results_path)
+        write_text_atomic(results_path, "".join(line + "\n" for line, _ in whole))
+        previous = [record for _, record in whole]
     elif results_path.exists():
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite)]  # fails before any file is written
@@ -263,14 +262,6 @@ def _attempt(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht: H
                 time.sleep(min(2 ** attempt, 10))
     res["attempts"] = attempt + 1
     return res
-
-
-def _is_json(line: str) -> bool:
-    try:
-        json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return True
 
 
 def _metadata(cfg: HarnessConfig) -> dict:

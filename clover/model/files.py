@@ -1,4 +1,4 @@
-"""Writes that a kill cannot leave half done.
+"""Writes that a kill cannot leave half done, and reading a JSON-lines file one may have cut short.
 
 A file or directory that a later step reads back (a checkpoint, a run's settings, a resumable log, a data
 build's completion record, an evaluation's results) is written beside its target and renamed over it: a
@@ -9,12 +9,14 @@ only, so that every layer may use it (the evaluation layer included, which never
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _read_umask() -> int:
@@ -45,6 +47,18 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def json_lines(path: str | os.PathLike) -> list[tuple[str, Any]]:
+    """Each line of a JSON-lines file that parses, with its value: blank lines and a record that a kill cut
+    short mid-append (appends are not atomic) are left out."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append((line, json.loads(line)))
+        except ValueError:
+            continue
+    return out
 
 
 def check_replaceable(target: str | os.PathLike, marker: str, what: str) -> None:

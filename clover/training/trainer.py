@@ -28,7 +28,7 @@ from torch import nn
 
 from clover.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from clover.model.config import CloverConfig
-from clover.model.files import recover_directory, write_text_atomic
+from clover.model.files import json_lines, recover_directory, write_text_atomic
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer
 from clover.training.data import Batch, TokenData
@@ -348,18 +348,10 @@ def _append_log(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _whole(line: str) -> bool:
-    """Whether a log line is a whole record (a run killed mid-append leaves a partial last line)."""
-    try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
-
-
 def _truncate_log(path: Path, step: int) -> None:
     """Keep the records up to `step` (a resumed run rewrites what followed its checkpoint; a partial
     record a kill left is dropped)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if _whole(line) and json.loads(line)["step"] <= step]
+    keep = [line for line, record in json_lines(path) if isinstance(record, dict) and record["step"] <= step]
     write_text_atomic(path, "".join(line + "\n" for line in keep))
