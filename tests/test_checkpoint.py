@@ -1,6 +1,7 @@
 """Config and checkpoint round trips, named errors, atomic writes, conversion from transformers."""
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -56,6 +57,17 @@ def test_real_shape_preset_counts():
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn'"),
     ({"head_dim": 6}, "even integer"),
     ({"eos_token_id": 511}, "must differ from the end-of-sequence"),
+    # shapes a hand-edited config.json or an --override can hold (each was a TypeError or accepted before)
+    ({"rms_norm_eps": math.nan}, "rms_norm_eps must be a finite number"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps must be positive"),
+    ({"layer_types": 3}, "layer_types must be a list"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer"),
+    ({"rope_parameters": [1]}, "rope_parameters must be an object"),
+    ({"rope_parameters": {"rope_theta": "big"}}, "rope_theta must be a finite number"),
+    ({"eos_token_id": [1, "2"]}, "eos_token_id must be an integer, a list"),
+    ({"attention_bias": "no"}, "attention_bias must be true or false"),
+    ({"attention_dropout": 1.5}, "attention_dropout must be in"),
+    ({"not_a_field": 1}, r"unknown config field\(s\) \['not_a_field'\]"),
 ])
 def test_config_rejects_inconsistent_values(change, message):
     with pytest.raises(ConfigError, match=message):

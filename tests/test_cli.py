@@ -175,3 +175,45 @@ def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monke
         capsys.readouterr()
         assert cli_main(["eval", "copy", "--model", model, *extra]) == 0
         assert seen.pop() == dtype and json.loads(capsys.readouterr().out)["dtype"] == str(dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["serve", "--port", "-1"], "argument --port: must be a TCP port"),
+    (["serve", "--max-queue", "0"], "argument --max-queue: must be a positive integer"),
+    (["check", "MODEL", "--batch", "0"], "argument --batch: must be a positive integer, got 0"),
+    (["check", "MODEL", "--blocks", "-1"], "argument --blocks"),
+    (["init", "/nonexistent/x", "--override", "[1]"], "argument --override: must be a JSON object"),
+    (["init", "/nonexistent/x", "--override", '{"rms_norm_eps": NaN}'], "NaN is not"),
+    (["data", "build", "--out", "/nonexistent/x", "--vocab-size", "-5"], "argument --vocab-size"),
+    (["data", "build", "--out", "/nonexistent/x", "--chat-train", "-5"], "argument --chat-train: must be 0 or more"),
+    (["eval", "bpb", "--data", "d", "--window", "-1"], "argument --window"),
+    (["eval", "match", "--data", "d", "--prompts", "0"], "argument --prompts"),
+    (["eval", "match", "--data", "d", "--thresholds", "0.9,nan"], "argument --thresholds"),
+    (["eval", "copy", "--count", "0"], "argument --count"),
+    (["eval", "agent", "--endpoint", "http://a/v1", "--model", "m", "--out", "o", "--condition", "{x: 1}"],
+     "argument --condition: is not valid JSON"),
+    (["bench", "serve", "--endpoint", "http://a/v1", "--extra-body", "[1]"], "argument --extra-body"),
+    (["bench", "serve", "--endpoint", "http://a/v1", "--rate", "inf"], "argument --rate: must be a finite number"),
+])
+def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, args, message, capsys):
+    """Found by a hostile pass: each of these was a traceback from deep inside the command (a bind() overflow
+    after loading the model, a reduction over an empty batch, a division by zero) or was accepted."""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([text_model if a == "MODEL" else a for a in args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["check", "MODEL", "--device", "tpu"], "unknown device 'tpu'; use cpu or cuda[:N]"),
+    (["generate", "hi", "--model", ""], "the model directory is empty"),
+    (["init", "OUT", "--override", '{"layer_types": 3}'], "layer_types must be a list"),
+    (["init", "OUT", "--override", '{"nope": 3}'], "unknown config field(s) ['nope']"),
+    (["init", "OUT", "--override", '{"mask_token_id": 5}'], "differs from the tokenizer's"),
+    (["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1"], "cannot reach"),
+])
+def test_bad_values_the_parser_cannot_see_are_one_line_errors(text_model, tmp_path, args, message, capsys):
+    out = str(tmp_path / "new")
+    assert cli_main([{"MODEL": text_model, "OUT": out}.get(a, a) for a in args]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not Path(out).exists()

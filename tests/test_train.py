@@ -411,6 +411,26 @@ def test_train_config_refuses_a_gdn_decay_range_it_cannot_draw():
         TrainConfig(data="d", out="o", gdn_gate_z=math.inf).validate()
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"weight_decay": math.nan}, "weight_decay"), ({"clip": -1.0}, "clip"), ({"clip": math.inf}, "clip"),
+    ({"ar_loss_weight": math.nan}, "ar_loss_weight"), ({"certainty_weight": math.inf}, "certainty_weight"),
+    ({"mix": "code=-1,english=1"}, "mix weights"), ({"mix": "code=nan"}, "mix weights"),
+    ({"mix": "code=0"}, "mix weights"), ({"eval_batches": 0}, "eval_batches"), ({"aux_loss_coef": -1.0}, "aux_loss"),
+])
+def test_train_config_refuses_values_that_would_train_nonsense(change, message):
+    """Each of these was accepted and trained before (a NaN weight decay, a negative clip, a NaN loss weight):
+    refused before any data or weights are touched, naming the setting."""
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(data="d", out="o", **change).validate()
+
+
+def test_seq_len_beyond_the_models_context_is_refused_before_a_batch(data_dir, tmp_path):
+    """--seq-len 100000000 used to allocate batch_size x 1e8 ids and hang; the model's context bounds it."""
+    with pytest.raises(ValueError, match="exceeds the model's context of 1024"):
+        train(_cfg(data_dir, tmp_path / "run", seq_len=1025))
+    assert not (tmp_path / "run" / "log.jsonl").exists()
+
+
 def test_resume_keeps_the_init_settings_the_run_was_made_with(data_dir, tmp_path):
     """The GDN init settings only shape the random weights: a resumed run keeps the saved ones whatever the
     command line says, and a run saved before a setting existed is recorded as made without it (0), not with

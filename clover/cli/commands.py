@@ -25,6 +25,7 @@ from pathlib import Path
 
 from clover.cli.evaluate import add_bench_parser, add_eval_parser
 from clover.cli.generate import add_chat_parser, add_generate_parser, add_serve_parser
+from clover.cli.options import json_object, positive_int
 from clover.cli.train import add_data_parser, add_plot_parser, add_train_parser
 from clover.model.chat import ChatFormatError
 from clover.model.checkpoint import (
@@ -51,7 +52,7 @@ def _human(n: int) -> str:
 def cmd_init(args: argparse.Namespace) -> int:
     check_replaceable(args.directory, "config.json", "a checkpoint")
     check_gdn_init(args.gdn_gate_z, args.gdn_dt_max)   # before a tokenizer is trained
-    overrides = json.loads(args.override) if args.override else {}
+    overrides = args.override or {}
     config = CloverConfig.preset(args.preset, **overrides)
     total, _ = config.num_parameters()
     if total > 2e9 and not args.force:
@@ -63,6 +64,14 @@ def cmd_init(args: argparse.Namespace) -> int:
         # a byte-level BPE on standard-library source, so that text commands work on the new model
         tokenizer = Tokenizer.train(stdlib_texts(), vocab_size=config.vocab_size)
     if tokenizer is not None:
+        ids = {"mask_token_id": tokenizer.mask_token_id, "eos_token_id": tokenizer.eos_token_ids}
+        for name, value in ids.items():
+            if name in overrides and overrides[name] != value:
+                raise ValueError(f"--override {name} {overrides[name]!r} differs from the tokenizer's {value!r}; "
+                                 "drop it, or pass --no-tokenizer")
+        if overrides.get("vocab_size", tokenizer.vocab_size) < tokenizer.vocab_size:
+            raise ValueError(f"--override vocab_size {overrides['vocab_size']} is smaller than the tokenizer's "
+                             f"{tokenizer.vocab_size} tokens")
         config = CloverConfig.preset(args.preset, **{
             **overrides, "vocab_size": max(config.vocab_size, tokenizer.vocab_size),
             "mask_token_id": tokenizer.mask_token_id, "eos_token_id": tokenizer.eos_token_ids})
@@ -141,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="example: clover init /tmp/debug-model --preset debug")
     p.add_argument("directory")
     p.add_argument("--preset", default="debug", choices=sorted(PRESETS))
-    p.add_argument("--override", help='JSON object of config fields to change, e.g. \'{"block_size": 16}\'')
+    p.add_argument("--override", type=json_object, help='JSON object of config fields to change, e.g. \'{"block_size": 16}\'')
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gdn-gate-z", type=float, default=2.0,
@@ -196,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--blocks", type=int, default=4, help="sequence length in blocks (default 4)")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--blocks", type=positive_int, default=4, help="sequence length in blocks (default 4)")
+    p.add_argument("--batch", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
     p.set_defaults(func=cmd_check)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clover.cli.options import finite_float, json_object, nonnegative_int, positive_float, positive_int
 from clover.engine.sampling import ALGORITHMS
 from clover.model.files import write_text_atomic
 
@@ -33,13 +34,21 @@ def parse_endpoints(urls: list[str], models: list[str], api_key: str | None) -> 
     return out
 
 
+def thresholds(text: str) -> tuple[float, ...]:
+    """`--thresholds 0.7,0.9`: confidence thresholds in (0, 1]."""
+    try:
+        values = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers in (0, 1], got {text!r}")
+    return values
+
+
 def cmd_eval_agent(args: argparse.Namespace) -> int:
     from clover.evaluation.harness import HarnessConfig, run_harness
 
-    try:
-        conditions = [json.loads(c) for c in args.condition] or [{}]
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"a --condition is not valid JSON ({exc}); example: '{{\"algorithm\": \"ar\"}}'") from exc
+    conditions = args.condition or [{}]
     cfg = HarnessConfig(endpoints=parse_endpoints(args.endpoint, args.model, args.api_key),
                         suites=tuple(args.suite.split(",")),
                         tasks_per_suite=args.tasks, runs=args.runs, conditions=conditions, step_limit=args.step_limit,
@@ -48,6 +57,11 @@ def cmd_eval_agent(args: argparse.Namespace) -> int:
     print(json.dumps({c: {k: v for k, v in s.items() if k in ("success_mean", "reasons", "tpf", "tokens_per_s")}
                       | {"total_s_median": s["total_s"]["median"]} for c, s in summary.items()}))
     print(f"report: {Path(args.out) / 'report.md'}", file=sys.stderr)
+    unmeasured = [c for c, s in summary.items() if s["quality_runs"] == 0]
+    if unmeasured:   # every run of a condition failed to reach its endpoint: nothing was measured
+        print(f"clover eval: error: every task run of {', '.join(unmeasured)} was an infrastructure error "
+              f"(see {Path(args.out) / 'results.jsonl'}); nothing measured", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -70,7 +84,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                          tool_grammar=args.tool_grammar)}
     elif args.eval_command == "match":
         result = {"evaluation": "continuation_match", **scores.continuation_match(
-            model, tok, args.data, args.prompts, args.new_tokens, tuple(map(float, args.thresholds.split(","))),
+            model, tok, args.data, args.prompts, args.new_tokens, args.thresholds,
             args.block_size, args.batch, args.split)}
     else:
         result = {"evaluation": "agent_tasks", "runs": _eval_tasks(args, loaded)}
@@ -185,13 +199,13 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="base URL ending in /v1, optionally NAME=URL (repeatable: endpoints side by side)")
     a.add_argument("--model", action="append", required=True, help="model name (one for all, or one per endpoint)")
     a.add_argument("--suite", default="tools,memory", help="comma-separated: synthetic, tools, memory, heldout, coding, humaneval")
-    a.add_argument("--tasks", type=int, help="tasks per suite (default: synthetic 100, tools 12, memory 12, coding 8, humaneval "
+    a.add_argument("--tasks", type=positive_int, help="tasks per suite (default: synthetic 100, tools 12, memory 12, coding 8, humaneval "
                    "all 164)")
-    a.add_argument("--runs", type=int, default=3)
-    a.add_argument("--condition", action="append", default=[], help="JSON extra body fields (repeatable: a sweep)")
-    a.add_argument("--step-limit", type=int, default=40)
-    a.add_argument("--task-timeout", type=float, default=300.0, help="seconds per task")
-    a.add_argument("--max-tokens", type=int, default=256)
+    a.add_argument("--runs", type=positive_int, default=3)
+    a.add_argument("--condition", type=json_object, action="append", default=[], help="JSON extra body fields (repeatable: a sweep)")
+    a.add_argument("--step-limit", type=positive_int, default=40)
+    a.add_argument("--task-timeout", type=positive_float, default=300.0, help="seconds per task")
+    a.add_argument("--max-tokens", type=positive_int, default=256)
     a.add_argument("--thinking", action="store_true", help="thinking on (default off)")
     a.add_argument("--api-key")
     a.add_argument("--out", required=True)
@@ -215,20 +229,21 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         if name == "bpb":
             e.add_argument("--kinds", default="code,english")
             e.add_argument("--split", default="test", choices=["val", "test"])
-            e.add_argument("--window", type=int, default=512)
-            e.add_argument("--max-bytes", type=int, help="evaluate at most this many bytes per kind")
+            e.add_argument("--window", type=positive_int, default=512)
+            e.add_argument("--max-bytes", type=positive_int, help="evaluate at most this many bytes per kind")
         elif name == "match":
-            e.add_argument("--prompts", type=int, default=200)
-            e.add_argument("--new-tokens", type=int, default=64)
-            e.add_argument("--thresholds", default="0.7,0.9,0.95")
-            e.add_argument("--block-size", type=int)
-            e.add_argument("--batch", type=int, default=16)
+            e.add_argument("--prompts", type=positive_int, default=200)
+            e.add_argument("--new-tokens", type=positive_int, default=64)
+            e.add_argument("--thresholds", type=thresholds, default="0.7,0.9,0.95",
+                           help="comma-separated confidence thresholds in (0, 1]")
+            e.add_argument("--block-size", type=positive_int)
+            e.add_argument("--batch", type=positive_int, default=16)
             e.add_argument("--split", default="test", choices=["val", "test"])
         elif name == "copy":
-            e.add_argument("--count", type=int, default=64, help="conversations")
+            e.add_argument("--count", type=positive_int, default=64, help="conversations")
             e.add_argument("--split", default="test", choices=["val", "test"])
         elif name == "turns":
-            e.add_argument("--count", type=int, default=60, help="conversations")
+            e.add_argument("--count", type=positive_int, default=60, help="conversations")
             e.add_argument("--split", default="val", choices=["val", "test"])
             e.add_argument("--pool", default="train", choices=["train", "heldout"],
                            help="tool vocabularies: training's, or the held-out ones training never uses")
@@ -236,19 +251,19 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                            help="hold each call a turn opens to the offered tools and their schemas, as `clover serve` "
                                 "does by default (off: the model's own calls)")
         else:
-            e.add_argument("--count", type=int, default=100)
-            e.add_argument("--step-limit", type=int, default=12)
-            e.add_argument("--max-tokens", type=int, default=160)
+            e.add_argument("--count", type=positive_int, default=100)
+            e.add_argument("--step-limit", type=positive_int, default=12)
+            e.add_argument("--max-tokens", type=positive_int, default=160)
             e.add_argument("--thinking", default="both", choices=["on", "off", "both"])
             e.add_argument("--algorithm", choices=list(ALGORITHMS), help="(default: the model's generation config)")
-            e.add_argument("--threshold", type=float, help="(default: the model's generation config)")
+            e.add_argument("--threshold", type=finite_float, help="(default: the model's generation config)")
         e.set_defaults(func=cmd_eval)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from clover.evaluation.bench import bench_serve
 
-    extra = json.loads(args.extra_body) if args.extra_body else {}
+    extra = args.extra_body or {}
     result = bench_serve(args.endpoint, args.model, args.num_prompts, args.input_len, args.output_len, args.concurrency,
                          args.rate, args.warmup, args.prompts_file, args.api_key, extra,
                          args.ttft_limit_ms / 1e3 if args.ttft_limit_ms else None,
@@ -275,17 +290,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--endpoint", required=True, help="base URL ending in /v1")
     b.add_argument("--model", help="model id (default: the first of /v1/models)")
-    b.add_argument("--concurrency", type=int, help="requests in flight at once")
-    b.add_argument("--rate", type=float, help="Poisson arrival rate, requests per second")
-    b.add_argument("--num-prompts", type=int, default=32)
-    b.add_argument("--input-len", type=int, default=64, help="words per random prompt")
-    b.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    b.add_argument("--concurrency", type=positive_int, help="requests in flight at once")
+    b.add_argument("--rate", type=positive_float, help="Poisson arrival rate, requests per second")
+    b.add_argument("--num-prompts", type=positive_int, default=32)
+    b.add_argument("--input-len", type=positive_int, default=64, help="words per random prompt")
+    b.add_argument("--output-len", type=positive_int, default=64, help="max_tokens per request")
     b.add_argument("--prompts-file", help="one prompt per line instead of random prompts")
-    b.add_argument("--warmup", type=int, default=2, help="requests sent first and left out")
-    b.add_argument("--ttft-limit-ms", type=float)
-    b.add_argument("--tpot-limit-ms", type=float)
+    b.add_argument("--warmup", type=nonnegative_int, default=2, help="requests sent first and left out")
+    b.add_argument("--ttft-limit-ms", type=positive_float)
+    b.add_argument("--tpot-limit-ms", type=positive_float)
     b.add_argument("--api-key")
-    b.add_argument("--extra-body", help="JSON merged into every request (e.g. Clover's algorithm, threshold)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--extra-body", type=json_object, help="JSON merged into every request (e.g. Clover's algorithm, threshold)")
+    b.add_argument("--seed", type=nonnegative_int, default=0)
     b.add_argument("--out", help="write the full result (with per-request records) here")
     b.set_defaults(func=cmd_bench_serve)

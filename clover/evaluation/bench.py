@@ -135,6 +135,22 @@ def summarise(records: list[RequestRecord], wall: float, ttft_limit: float | Non
     }
 
 
+def served_model(endpoint: str, api_key: str | None) -> str:
+    """The first model id of ENDPOINT/models; a clear error when the endpoint cannot say."""
+    url = endpoint.rstrip("/") + "/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {url}: {exc or type(exc).__name__}") from None
+    if response.status_code != 200:
+        raise ValueError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{url} did not list a model (give --model): {response.text[:200]!r}") from None
+
+
 def bench_serve(endpoint: str, model: str | None, num_prompts: int, input_len: int, output_len: int,
                 concurrency: int | None, rate: float | None, warmup: int, prompts_file: str | None,
                 api_key: str | None, extra_body: dict, ttft_limit: float | None, tpot_limit: float | None,
@@ -142,8 +158,7 @@ def bench_serve(endpoint: str, model: str | None, num_prompts: int, input_len: i
     if concurrency is None and rate is None:
         raise ValueError("give --concurrency or --rate")
     if model is None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        model = httpx.get(endpoint.rstrip("/") + "/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        model = served_model(endpoint, api_key)
     rng = random.Random(seed)
     if prompts_file:
         lines = [x for x in Path(prompts_file).read_text().splitlines() if x.strip()]

@@ -71,7 +71,10 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:   # torch's message lists two dozen backends this code does not run on
+        raise ValueError(f"unknown device {device!r}; use cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available on this machine; use --device cpu")
     if dev.type not in ("cpu", "cuda", "mps"):
@@ -362,6 +365,9 @@ class Loaded:
 
 def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str = "cpu") -> Loaded:
     """A checkpoint ready to decode: the model, its tokenizer and its generation defaults."""
+    if model_dir is not None and not model_dir.strip():   # e.g. `--model "$UNSET"`: not the shipped model
+        raise ValueError("the model directory is empty; give a checkpoint directory, or leave the option out "
+                         "for the shipped model")
     directory = Path(model_dir) if model_dir else default_model_dir()
     model = load_checkpoint(directory, dtype=dtype, device=device)
     tokenizer = Tokenizer.load(directory)

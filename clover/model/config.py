@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,14 @@ TRANSFORMERS_FIELDS = {
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or inconsistent with the others."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def default_layer_types(num_layers: int, interval: int = 4) -> list[str]:
@@ -92,6 +101,7 @@ class CloverConfig:
     mask_token_id: int = 248319
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.layer_types is None:
             self.layer_types = default_layer_types(self.num_hidden_layers)
         self.validate()
@@ -124,10 +134,9 @@ class CloverConfig:
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
 
     # -- validation ---------------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Raise `ConfigError` naming the first inconsistent value."""
-        if self.model_type != MODEL_TYPE:
-            raise ConfigError(f"model_type must be {MODEL_TYPE!r}, got {self.model_type!r}")
+    def _check_types(self) -> None:
+        """Each field holds a value of its kind (a config.json or --override of the wrong shape is named here,
+        not met later as a TypeError deep in the model)."""
         for name in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
@@ -135,10 +144,39 @@ class CloverConfig:
             "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts", "block_size",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
             if value > SANITY_MAX[name]:   # checked before anything is allocated
                 raise ConfigError(f"{name} = {value} is beyond any model this code runs (at most {SANITY_MAX[name]})")
+        for name in ("initializer_range", "rms_norm_eps", "attention_dropout", "router_aux_loss_coef"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.rope_parameters, dict):
+            raise ConfigError(f"rope_parameters must be an object, got {self.rope_parameters!r}")
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in self.rope_parameters and not _is_number(self.rope_parameters[key]):
+                raise ConfigError(f"rope_parameters.{key} must be a finite number, got {self.rope_parameters[key]!r}")
+        if self.layer_types is not None and (not isinstance(self.layer_types, list)
+                                             or not all(isinstance(t, str) for t in self.layer_types)):
+            raise ConfigError(f"layer_types must be a list of layer type names, got {self.layer_types!r}")
+        if not _is_int(self.mask_token_id):
+            raise ConfigError(f"mask_token_id must be an integer, got {self.mask_token_id!r}")
+        eos = self.eos_token_id
+        if not (eos is None or _is_int(eos) or (isinstance(eos, list) and all(_is_int(t) for t in eos))):
+            raise ConfigError(f"eos_token_id must be an integer, a list of integers or null, got {eos!r}")
+        for name in ("pad_token_id", "bos_token_id"):
+            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
+                raise ConfigError(f"{name} must be an integer or null, got {getattr(self, name)!r}")
+
+    def validate(self) -> None:
+        """Raise `ConfigError` naming the first inconsistent value."""
+        self._check_types()
+        if self.model_type != MODEL_TYPE:
+            raise ConfigError(f"model_type must be {MODEL_TYPE!r}, got {self.model_type!r}")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act must be 'silu' (the Qwen3.5-MoE activation), got {self.hidden_act!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -185,6 +223,8 @@ class CloverConfig:
             raise ConfigError(f"mask_token_id {self.mask_token_id} must differ from the end-of-sequence ids")
         if self.rms_norm_eps <= 0:
             raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.attention_dropout >= 1:
+            raise ConfigError(f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
 
     # -- serialisation --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -247,6 +287,9 @@ class CloverConfig:
     def preset(cls, name: str, **overrides: Any) -> CloverConfig:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}")
         return cls(**{**PRESETS[name], **overrides})
 
     def num_parameters(self) -> tuple[int, int]:

@@ -174,6 +174,10 @@ class Tokenizer:
         chunks, `897` became `89`+`7` and ` 947` became ` 9`+`47`, and clover-tiny (2026-11-30) predicted
         only 7% of the number tokens of its validation agent replies that copy a number from the
         context, against 95% of the other tokens copied from it."""
+        smallest = 256 + len(SPECIAL_TOKENS)   # every byte, then the special tokens
+        if not isinstance(vocab_size, int) or not smallest <= vocab_size <= 1 << 20:
+            raise TokenizerError(f"vocab_size must be an integer in [{smallest}, {1 << 20}] (every byte and the "
+                                 f"special tokens take {smallest}), got {vocab_size!r}")
         tk = HFTokenizer(models.BPE())
         tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])

@@ -16,6 +16,7 @@ global batch, so that data-parallel ranks add up to exactly the single-process l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +43,11 @@ class ObjectiveConfig:
             raise ValueError(f"loss_weighting must be 'elbo' or 'none', got {self.loss_weighting!r}")
         if self.mask_mode not in ("bernoulli", "exact"):
             raise ValueError(f"mask_mode must be 'bernoulli' or 'exact', got {self.mask_mode!r}")
-        if not 0 < self.eps < 1 or self.ar_loss_weight < 0 or self.certainty_weight < 0:
-            raise ValueError("eps must be in (0, 1), ar_loss_weight and certainty_weight >= 0")
+        if not 0 < self.eps < 1:
+            raise ValueError(f"eps must be in (0, 1), got {self.eps}")
+        for name in ("ar_loss_weight", "certainty_weight"):
+            if not 0 <= getattr(self, name) < math.inf:   # NaN fails too
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
 
 
 @dataclass

@@ -77,19 +77,29 @@ class TrainConfig:
 
     def mix_weights(self) -> dict[str, float]:
         try:
-            return {k.strip(): float(v) for k, v in (part.split("=") for part in self.mix.split(","))}
+            weights = {k.strip(): float(v) for k, v in (part.split("=") for part in self.mix.split(","))}
         except ValueError as exc:
             raise ValueError(f"mix must look like 'code=0.5,english=0.3,chat=0.2', got {self.mix!r}") from exc
+        if not all(0 <= w < math.inf for w in weights.values()) or not sum(weights.values()) > 0:
+            raise ValueError(f"mix weights must be finite numbers >= 0, some of them positive, got {self.mix!r}")
+        return weights
 
     def validate(self) -> None:
         self.objective_config().validate()
-        for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "save_every"):
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches",
+                     "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if not 0 < self.lr < 1 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
             raise ValueError("need 0 < lr < 1, 0 <= min_lr_ratio <= 1 and warmup >= 0")
+        if not 0 <= self.weight_decay < 1:   # NaN fails both comparisons
+            raise ValueError(f"weight_decay must be in [0, 1), got {self.weight_decay}")
+        if not 0 < self.clip < math.inf:
+            raise ValueError(f"clip (the gradient-norm limit) must be a positive number, got {self.clip}")
+        if self.aux_loss_coef is not None and not 0 <= self.aux_loss_coef < math.inf:
+            raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {self.aux_loss_coef}")
         check_gdn_init(self.gdn_gate_z, self.gdn_dt_max)
         self.mix_weights()
 
@@ -273,6 +283,9 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         if (out / "log.jsonl").exists() and d.main:
             raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
         model = _build_model(cfg, tokenizer, d.device)
+    if cfg.seq_len > model.config.max_position_embeddings:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {model.config.max_position_embeddings} "
+                         "tokens (max_position_embeddings)")
     model.train()
     optimizer = _optimizer(model, cfg)
     if state is not None:
