@@ -89,7 +89,7 @@ def test_regex_and_choice_constraints(setup, algorithm):
 def test_long_chains_of_rules_compile_without_taking_the_process_down():
     """llguidance's compiler recurses along chains of rules: a 5,000-rule Lark chain or a 5,000-long $ref chain
     overflowed an 8 MiB thread stack and killed the process (a server with it). Compiled on the grammar
-    thread's stack (in a child process here, so that a regression fails this test rather than the run), and
+    threads' stacks (in a child process here, so that a regression fails this test rather than the run), and
     a source beyond MAX_GRAMMAR_CHARS is refused before it reaches llguidance."""
     program = """
 from clover.engine.structured import Constraint, GrammarCompiler, grammar_error
@@ -104,6 +104,11 @@ for c in (lark, schema):
     assert grammar_error(c) is None, grammar_error(c)
     m = GrammarCompiler(tok, 280, [0]).matcher(c)
     assert m.allowed().any()
+# as many at once as the compiler has threads: every one of them has the large stack
+from concurrent.futures import ThreadPoolExecutor
+chains = [Constraint("lark", lark.source.replace('"y"', f'"y{k}"')) for k in range(4)]
+with ThreadPoolExecutor(4) as pool:
+    assert list(pool.map(grammar_error, chains)) == [None] * 4
 print("ok")
 """
     import subprocess

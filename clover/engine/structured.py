@@ -89,16 +89,19 @@ def _llguidance() -> Any:
 # request taking the server down). So grammar sources are bounded (MAX_GRAMMAR_CHARS: at most ~15,000 chained
 # Lark rules, ~7,500 $refs), and compiled on a thread of its own with a stack 32x the usual (a 20,000-rule
 # chain compiled there; matching a compiled grammar does not recurse along it: 20,000 rules matched on 8 MiB).
+# Several such threads, so that one request's large grammar does not hold up another's compile, nor the
+# engine's matcher for a request it admits (their stacks are address space, committed only as used).
 MAX_GRAMMAR_CHARS = 256 * 1024
 _COMPILE_STACK_BYTES = 256 * 2**20
+_COMPILE_THREADS = 4
 _compile_pool: ThreadPoolExecutor | None = None
 _compile_pid = 0            # the process that started the pool (a forked child has no thread behind it)
 _compile_lock = threading.Lock()
 
 
 def _compiled(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) on the grammar compiler's thread (a 256 MiB stack); inline where the platform cannot
-    size a thread's stack."""
+    """fn(*args) on one of the grammar compiler's threads (a 256 MiB stack each); inline where the platform
+    cannot size a thread's stack."""
     global _compile_pool, _compile_pid
     with _compile_lock:
         if _compile_pool is None or _compile_pid != os.getpid():
@@ -107,8 +110,14 @@ def _compiled(fn: Callable[..., Any], *args: Any) -> Any:
             except (ValueError, RuntimeError):   # (not settable here)
                 return fn(*args)
             try:
-                _compile_pool = ThreadPoolExecutor(1, thread_name_prefix="clover-grammar")
-                _compile_pool.submit(int).result()   # its thread starts now, with that stack
+                _compile_pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="clover-grammar")
+                # its threads start now, with that stack: each waits at the barrier, so each submit finds
+                # no idle thread and starts one
+                started = threading.Barrier(_COMPILE_THREADS + 1)
+                waits = [_compile_pool.submit(started.wait) for _ in range(_COMPILE_THREADS)]
+                started.wait()
+                for w in waits:
+                    w.result()
                 _compile_pid = os.getpid()
             finally:
                 threading.stack_size(old)
