@@ -128,6 +128,8 @@ def test_chat_session(text_model):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("forwards, TPF") == 2
     assert "(thinking off)" in out.stdout and "unknown command /bogus" in out.stdout
+    bad = _run("chat", "--model", text_model, "--temperature", "-1", stdin="hello\n")
+    assert bad.returncode == 1 and "temperature must be between 0 and 2" in bad.stderr and ">>>" not in bad.stdout
     assert "(history cleared)" in out.stdout
 
 

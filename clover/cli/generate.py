@@ -225,6 +225,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     loaded = _load(args)
     tok, engine = loaded.tokenizer, Engine(loaded.model, loaded.tokenizer)
     params = sampling_params(args, loaded.generation)
+    params.validate(loaded.model.config.vocab_size)   # a bad option is an error now, not at every turn
     thinking, show_steps = not args.no_think, args.show_steps
     colour = sys.stdout.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
