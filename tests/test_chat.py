@@ -59,6 +59,8 @@ def test_template_with_tools_and_tool_turns(tokenizer):
     ([{"role": "user"}], None, "has no content"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}], None,
      "is not JSON"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": " ", "arguments": {}}}]}], None,
+     r"tool_calls\[0\] needs a function name \(not empty\)"),
     ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "bad name!"}}], "function.name"),
     ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
      "type object"),

@@ -646,3 +646,23 @@ def test_the_in_process_server_answers_without_nagles_delay():
                     pass
         assert served and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in served)
         client.close()
+
+
+@pytest.mark.parametrize("body,message", [
+    # a value matching no member of a union: what each member wants, at the field the client wrote
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: Input should be a valid string or a valid list"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop: Input should be a valid string or a valid list"),
+    # one member got further: its problem
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}},
+     "tool_choice.function: Field required"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content.0.type: Input should be 'text'"),
+])
+def test_union_field_errors_name_the_field_not_pydantics_member(body, message):
+    """They read `messages.0.content.str: Input should be a valid string` (a param no client wrote)."""
+    from pydantic import ValidationError
+
+    from clover.serving.protocol import ChatRequest, validation_message
+
+    with pytest.raises(ValidationError) as exc:
+        ChatRequest.model_validate(body)
+    assert validation_message(exc.value) == (message, message.split(":")[0])

@@ -75,10 +75,10 @@ def _check_messages(messages: list[dict]) -> list[dict]:
             m["reasoning_content"] = m["reasoning"]
         for j, call in enumerate(m.get("tool_calls") or []):
             fn = (call or {}).get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip() or \
                     not isinstance(fn.get("arguments", {}), (dict, str)):
-                raise ChatFormatError(f"messages[{i}].tool_calls[{j}] needs a function name and arguments (an "
-                                      "object or a JSON string)")
+                raise ChatFormatError(f"messages[{i}].tool_calls[{j}] needs a function name (not empty) and "
+                                      "arguments (an object or a JSON string)")
         out.append(m)
     return out
 

@@ -257,12 +257,32 @@ def parse_json_body(raw: bytes) -> Any:
     return data
 
 
+def _union_member(part: Any) -> bool:
+    """pydantic names the member of a union an error is about in its location: `str`, `list[TextPart]`,
+    `literal['none','auto']`, `NamedToolChoice`; the fields of the protocol are snake_case names."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none", "dict", "list")
+                                      or "[" in part or "-" in part or part[:1].isupper())
+
+
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    """The first problem of a request as (message, param), the param as the client wrote it. A value
+    matching no member of a union is told by the member it got furthest into (a tool_choice object missing
+    its function), or, where it matched none of them at all, by what each member wants."""
+    errors = exc.errors()
+    first = [p for p in errors[0].get("loc", ()) if p != "body"]
+    cut = next((i for i, p in enumerate(first) if _union_member(p)), None)
+    err, alternatives = errors[0], []
+    if cut is not None:   # the errors of the same union, each under its member's name
+        same = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:cut] == first[:cut]]
+        depth = {id(e): len([p for p in e.get("loc", ()) if p != "body"]) for e in same}
+        err = max(same, key=lambda e: depth[id(e)])
+        if depth[id(err)] == cut + 1:   # none got past the member's own type
+            alternatives = list(dict.fromkeys(str(e.get("msg")).removeprefix("Input should be ") for e in same))
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _union_member(p)]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
         return f"unknown field {param!r}: Clover does not support it (and does not ignore it)", param
-    return (f"{param}: {err.get('msg')}" if param else str(err.get("msg"))), param
+    msg = ("Input should be " + " or ".join(alternatives)) if len(alternatives) > 1 else str(err.get("msg"))
+    return (f"{param}: {msg}" if param else msg), param
 
 
