@@ -119,9 +119,11 @@ def test_malformed_calls_are_reported_not_crashed_on():
     bad = ("<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>"
            "<tool_call>\nnot a call\n</tool_call>"
            "<tool_call>\n<function=launch>\n</function>\n</tool_call>"
+           "<tool_call>\n<function= >\n</function>\n</tool_call>"   # no name: never emitted as a call
            "<tool_call>\n<function=get_weather>\n<parameter=city>\nX")
     out = parse_output(bad, thinking=False, tools=TOOLS)
     assert [c.name for c in out.tool_calls] == ["get_weather", "launch"]
+    assert parse_output("<tool_call>\n<function= >\n</function>\n</tool_call>", thinking=False).tool_calls == []
     assert out.tool_calls[0].arguments == {"days": "three"}
     text = " | ".join(out.errors)
     for expected in ("get_weather.days", "missing required parameter(s) ['city']", "malformed tool call",

@@ -128,9 +128,12 @@ def test_chat_session(text_model):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("forwards, TPF") == 2
     assert "(thinking off)" in out.stdout and "unknown command /bogus" in out.stdout
+    assert "(history cleared)" in out.stdout
+
+
+def test_chat_checks_its_options_before_the_first_turn(text_model):
     bad = _run("chat", "--model", text_model, "--temperature", "-1", stdin="hello\n")
     assert bad.returncode == 1 and "temperature must be between 0 and 2" in bad.stderr and ">>>" not in bad.stdout
-    assert "(history cleared)" in out.stdout
 
 
 def test_eval_tasks_reuses_kept_task_runs_only_for_the_same_weights_and_settings(tmp_path):
@@ -181,7 +184,7 @@ def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monke
 
 @pytest.mark.parametrize("args,message", [
     (["serve", "--port", "-1"], "argument --port: must be a TCP port"),
-    (["serve", "--max-queue", "0"], "argument --max-queue: must be a positive integer"),
+    (["serve", "--max-queue", "-1"], "argument --max-queue: must be 0 or more"),
     (["check", "MODEL", "--batch", "0"], "argument --batch: must be a positive integer, got 0"),
     (["check", "MODEL", "--blocks", "-1"], "argument --blocks"),
     (["init", "/nonexistent/x", "--override", "[1]"], "argument --override: must be a JSON object"),
@@ -195,7 +198,8 @@ def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monke
     (["eval", "agent", "--endpoint", "http://a/v1", "--model", "m", "--out", "o", "--condition", "{x: 1}"],
      "argument --condition: is not valid JSON"),
     (["bench", "serve", "--endpoint", "http://a/v1", "--extra-body", "[1]"], "argument --extra-body"),
-    (["bench", "serve", "--endpoint", "http://a/v1", "--rate", "inf"], "argument --rate: must be a finite number"),
+    (["bench", "serve", "--endpoint", "http://a/v1", "--rate", "0"], "argument --rate: must be a positive number"),
+    (["bench", "serve", "--endpoint", "http://a/v1", "--extra-body", '{"threshold": 1e999}'], "1e999 is not"),
 ])
 def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, args, message, capsys):
     """Found by a hostile pass: each of these was a traceback from deep inside the command (a bind() overflow
@@ -212,6 +216,7 @@ def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, arg
     (["init", "OUT", "--override", '{"layer_types": 3}'], "layer_types must be a list"),
     (["init", "OUT", "--override", '{"nope": 3}'], "unknown config field(s) ['nope']"),
     (["init", "OUT", "--override", '{"mask_token_id": 5}'], "differs from the tokenizer's"),
+    (["init", "OUT", "--override", '{"eos_token_id": 5}'], "eos_token_id 5 differs from the tokenizer's"),
     (["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1"], "cannot reach"),
 ])
 def test_bad_values_the_parser_cannot_see_are_one_line_errors(text_model, tmp_path, args, message, capsys):

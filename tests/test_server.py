@@ -650,19 +650,27 @@ def test_the_in_process_server_answers_without_nagles_delay():
 
 @pytest.mark.parametrize("body,message", [
     # a value matching no member of a union: what each member wants, at the field the client wrote
-    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: Input should be a valid string or a valid list"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop: Input should be a valid string or a valid list"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: Input should be a valid string, or a valid list"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop: Input should be a valid string, or a valid list"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "any"},
+     "tool_choice: Input should be 'none', 'auto' or 'required', or an object"),
     # one member got further: its problem
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}},
      "tool_choice.function: Field required"),
     ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content.0.type: Input should be 'text'"),
+    ({"prompt": [1, 2, "a"]}, "prompt.2: Input should be a valid integer"),   # not `prompt.0`: a list[str] problem
+    ({"prompt": [[1, "a"]]}, "prompt.0.1: Input should be a valid integer"),
+    # keys of a dict are not union members, whatever they look like
+    ({"messages": [{"role": "user", "content": "x"}], "metadata": {"Session": 1}}, "metadata.Session: Input should be"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": "x"}}, "logit_bias.-1: Input should be"),
 ])
 def test_union_field_errors_name_the_field_not_pydantics_member(body, message):
     """They read `messages.0.content.str: Input should be a valid string` (a param no client wrote)."""
     from pydantic import ValidationError
 
-    from clover.serving.protocol import ChatRequest, validation_message
+    from clover.serving.protocol import ChatRequest, CompletionRequest, validation_message
 
     with pytest.raises(ValidationError) as exc:
-        ChatRequest.model_validate(body)
-    assert validation_message(exc.value) == (message, message.split(":")[0])
+        (CompletionRequest if "prompt" in body else ChatRequest).model_validate(body)
+    text, param = validation_message(exc.value)
+    assert text.startswith(message) and param == message.split(":")[0]

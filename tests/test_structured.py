@@ -106,9 +106,10 @@ for c in (lark, schema):
     assert m.allowed().any()
 # as many at once as the compiler has threads: every one of them has the large stack
 from concurrent.futures import ThreadPoolExecutor
-chains = [Constraint("lark", lark.source.replace('"y"', f'"y{k}"')) for k in range(4)]
-with ThreadPoolExecutor(4) as pool:
-    assert list(pool.map(grammar_error, chains)) == [None] * 4
+from clover.engine.structured import _COMPILE_THREADS as N
+chains = [Constraint("lark", lark.source.replace('"y"', f'"y{k}"')) for k in range(N)]
+with ThreadPoolExecutor(N) as pool:
+    assert list(pool.map(grammar_error, chains)) == [None] * N
 print("ok")
 """
     import subprocess

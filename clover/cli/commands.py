@@ -65,8 +65,11 @@ def cmd_init(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.train(stdlib_texts(), vocab_size=config.vocab_size)
     if tokenizer is not None:
         ids = {"mask_token_id": tokenizer.mask_token_id, "eos_token_id": tokenizer.eos_token_ids}
+        given = {**overrides}
+        if isinstance(given.get("eos_token_id"), int):
+            given["eos_token_id"] = [given["eos_token_id"]]
         for name, value in ids.items():
-            if name in overrides and overrides[name] != value:
+            if name in given and given[name] != value:
                 raise ValueError(f"--override {name} {overrides[name]!r} differs from the tokenizer's {value!r}; "
                                  "drop it, or pass --no-tokenizer")
         if overrides.get("vocab_size", tokenizer.vocab_size) < tokenizer.vocab_size:

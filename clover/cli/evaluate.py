@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clover.cli.options import finite_float, json_object, nonnegative_int, positive_float, positive_int
+from clover.cli.options import finite_float, json_object, nonnegative_int, positive_float, positive_int, rate
 from clover.engine.sampling import ALGORITHMS
 from clover.model.files import write_text_atomic
 
@@ -291,7 +291,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--endpoint", required=True, help="base URL ending in /v1")
     b.add_argument("--model", help="model id (default: the first of /v1/models)")
     b.add_argument("--concurrency", type=positive_int, help="requests in flight at once")
-    b.add_argument("--rate", type=positive_float, help="Poisson arrival rate, requests per second")
+    b.add_argument("--rate", type=rate, help="Poisson arrival rate, requests per second (inf: all at once)")
     b.add_argument("--num-prompts", type=positive_int, default=32)
     b.add_argument("--input-len", type=positive_int, default=64, help="words per random prompt")
     b.add_argument("--output-len", type=positive_int, default=64, help="max_tokens per request")
@@ -301,6 +301,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--tpot-limit-ms", type=positive_float)
     b.add_argument("--api-key")
     b.add_argument("--extra-body", type=json_object, help="JSON merged into every request (e.g. Clover's algorithm, threshold)")
-    b.add_argument("--seed", type=nonnegative_int, default=0)
+    b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", help="write the full result (with per-request records) here")
     b.set_defaults(func=cmd_bench_serve)

@@ -327,7 +327,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $CLOVER_API_KEY, so "
                                      "that the key need not appear in the process list)")
     p.add_argument("--max-batch-size", type=positive_int, default=32, help="sequences decoded together")
-    p.add_argument("--max-queue", type=positive_int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--max-queue", type=nonnegative_int, default=64,
+                   help="waiting requests before answering 429 (0: none wait; 429 whenever the batch is full)")
     p.add_argument("--served-model-name", help="the model id clients use (default: the directory name)")
     p.add_argument("--prefix-cache-bytes", type=nonnegative_int, default=256 << 20,
                    help="memory for prefixes kept across requests (default 256 MiB; 0 turns it off)")

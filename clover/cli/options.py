@@ -32,8 +32,8 @@ def nonnegative_int(text: str) -> int:
 
 def port(text: str) -> int:
     value = _int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535] (0: any free port), got {text}")
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {text}")
     return value
 
 
@@ -54,13 +54,30 @@ def positive_float(text: str) -> float:
     return value
 
 
+def rate(text: str) -> float:
+    """A positive rate; inf: all at once."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number (inf: all at once), got {text}")
+    return value
+
+
 def json_object(text: str) -> dict[str, Any]:
-    """A JSON object (NaN and Infinity refused: they are not JSON and no setting wants them)."""
+    """A JSON object (NaN and infinities refused: they are not JSON, and no setting wants them)."""
     def refuse(constant: str) -> None:
         raise argparse.ArgumentTypeError(f"must be JSON, and {constant} is not")
 
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            refuse(number)
+        return value
+
     try:
-        value = json.loads(text, parse_constant=refuse)
+        value = json.loads(text, parse_constant=refuse, parse_float=finite)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"is not valid JSON ({exc}), got {text!r}") from None
     if not isinstance(value, dict):

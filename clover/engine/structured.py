@@ -109,18 +109,22 @@ def _compiled(fn: Callable[..., Any], *args: Any) -> Any:
                 old = threading.stack_size(_COMPILE_STACK_BYTES)
             except (ValueError, RuntimeError):   # (not settable here)
                 return fn(*args)
+            pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="clover-grammar")
+            # its threads start now, with that stack: each waits at the barrier, so each submit finds no
+            # idle thread and starts one
+            started = threading.Barrier(_COMPILE_THREADS + 1, timeout=60)
             try:
-                _compile_pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="clover-grammar")
-                # its threads start now, with that stack: each waits at the barrier, so each submit finds
-                # no idle thread and starts one
-                started = threading.Barrier(_COMPILE_THREADS + 1)
-                waits = [_compile_pool.submit(started.wait) for _ in range(_COMPILE_THREADS)]
+                waits = [pool.submit(started.wait) for _ in range(_COMPILE_THREADS)]
                 started.wait()
                 for w in waits:
                     w.result()
-                _compile_pid = os.getpid()
+            except (RuntimeError, threading.BrokenBarrierError) as exc:   # e.g. no memory for the stacks
+                started.abort()
+                pool.shutdown(wait=False)
+                raise GrammarError(f"cannot start the grammar compiler's threads: {exc}") from exc
             finally:
                 threading.stack_size(old)
+            _compile_pool, _compile_pid = pool, os.getpid()
     return _compile_pool.submit(fn, *args).result()
 
 

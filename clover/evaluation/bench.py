@@ -142,7 +142,7 @@ def served_model(endpoint: str, api_key: str | None) -> str:
     try:
         response = httpx.get(url, headers=headers, timeout=30)
     except httpx.HTTPError as exc:
-        raise ValueError(f"cannot reach {url}: {exc or type(exc).__name__}") from None
+        raise ValueError(f"cannot reach {url}: {str(exc) or type(exc).__name__}") from None
     if response.status_code != 200:
         raise ValueError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
     try:

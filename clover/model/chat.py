@@ -226,7 +226,7 @@ def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
 def parse_tool_call(body: str, tools: list[dict] | None) -> tuple[ToolCall | None, list[str]]:
     """The text between <tool_call> and </tool_call> -> a call with arguments typed by the tool schema."""
     m = _FUNCTION.fullmatch(body)
-    if not m:
+    if not m or not m.group(1).strip():   # no name: not a call a client could send back in its history
         return None, [f"malformed tool call: {body.strip()!r:.80}"]
     name = m.group(1).strip()
     schemas = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools or []}

@@ -8,6 +8,7 @@ routes decide what they support. Errors have the OpenAI shape {"error": {"messag
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -257,32 +258,52 @@ def parse_json_body(raw: bytes) -> Any:
     return data
 
 
-def _union_member(part: Any) -> bool:
-    """pydantic names the member of a union an error is about in its location: `str`, `list[TextPart]`,
-    `literal['none','auto']`, `NamedToolChoice`; the fields of the protocol are snake_case names."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none", "dict", "list")
-                                      or "[" in part or "-" in part or part[:1].isupper())
+_MEMBER = re.compile(r"(str|int|float|bool|none|[a-z][a-z-]*\[.*\]|[A-Z][A-Za-z]*)")
+
+
+def _loc(err: dict) -> list:
+    return [p for p in err.get("loc", ()) if p != "body"]
+
+
+def _union_at(errors: list[dict], loc: list) -> int | None:
+    """Where in `loc` pydantic names the member of a union (`str`, `list[TextPart]`, `literal['none','auto']`,
+    `NamedToolChoice`): a part of that form at which another error of the same prefix names another member
+    (a value that fails a union fails each member). None if `loc` passes through no union."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and _MEMBER.fullmatch(part) and any(
+                _loc(e)[:i] == loc[:i] and len(_loc(e)) > i and _loc(e)[i] != part
+                and isinstance(_loc(e)[i], str) and _MEMBER.fullmatch(_loc(e)[i]) for e in errors):
+            return i
+    return None
 
 
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
     """The first problem of a request as (message, param), the param as the client wrote it. A value
-    matching no member of a union is told by the member it got furthest into (a tool_choice object missing
-    its function), or, where it matched none of them at all, by what each member wants."""
+    matching no member of a union is told by the member it got furthest into (the fewest problems among
+    those that accepted its outer type: a tool_choice object missing its function, the one token id of a
+    prompt that is not an integer), or, where it matched none of them at all, by what each member wants."""
     errors = exc.errors()
-    first = [p for p in errors[0].get("loc", ()) if p != "body"]
-    cut = next((i for i, p in enumerate(first) if _union_member(p)), None)
-    err, alternatives = errors[0], []
-    if cut is not None:   # the errors of the same union, each under its member's name
-        same = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:cut] == first[:cut]]
-        depth = {id(e): len([p for p in e.get("loc", ()) if p != "body"]) for e in same}
-        err = max(same, key=lambda e: depth[id(e)])
-        if depth[id(err)] == cut + 1:   # none got past the member's own type
-            alternatives = list(dict.fromkeys(str(e.get("msg")).removeprefix("Input should be ") for e in same))
-    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _union_member(p)]
+    err, alternatives, dropped = errors[0], [], set()
+    while (cut := _union_at(errors, _loc(err))) is not None:   # unions inside unions: member by member
+        prefix = _loc(err)[:cut]
+        members: dict[str, list[dict]] = {}
+        for e in errors:
+            if _loc(e)[:cut] == prefix and len(_loc(e)) > cut:
+                members.setdefault(_loc(e)[cut], []).append(e)
+        dropped.add(len(prefix))
+        inside = {m: es for m, es in members.items() if any(len(_loc(e)) > cut + 1 for e in es)}
+        if not inside:   # none got past the member's own type
+            alternatives = list(dict.fromkeys(re.sub(r"a valid dictionary or instance of \w+", "an object",
+                                                     str(e.get("msg"))).removeprefix("Input should be ")
+                                              for es in members.values() for e in es))
+            break
+        best = min(inside.values(), key=lambda es: (len(es), -max(len(_loc(e)) for e in es)))
+        err, errors = best[0], best
+    loc = [str(p) for i, p in enumerate(_loc(err)) if i not in dropped]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
         return f"unknown field {param!r}: Clover does not support it (and does not ignore it)", param
-    msg = ("Input should be " + " or ".join(alternatives)) if len(alternatives) > 1 else str(err.get("msg"))
+    msg = ("Input should be " + ", or ".join(alternatives)) if len(alternatives) > 1 else str(err.get("msg"))
     return (f"{param}: {msg}" if param else msg), param
 
 

@@ -94,10 +94,10 @@ class TrainConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if not 0 < self.lr < 1 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
             raise ValueError("need 0 < lr < 1, 0 <= min_lr_ratio <= 1 and warmup >= 0")
-        if not 0 <= self.weight_decay < 1:   # NaN fails both comparisons
-            raise ValueError(f"weight_decay must be in [0, 1), got {self.weight_decay}")
-        if not 0 < self.clip < math.inf:
-            raise ValueError(f"clip (the gradient-norm limit) must be a positive number, got {self.clip}")
+        if not 0 <= self.weight_decay < math.inf:   # NaN fails both comparisons
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if not self.clip > 0:
+            raise ValueError(f"clip (the gradient-norm limit; inf: none) must be a positive number, got {self.clip}")
         if self.aux_loss_coef is not None and not 0 <= self.aux_loss_coef < math.inf:
             raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {self.aux_loss_coef}")
         check_gdn_init(self.gdn_gate_z, self.gdn_dt_max)
