@@ -323,6 +323,13 @@ def test_commands_never_replace_what_is_not_theirs(tmp_path, capsys):
     assert cli_main(["export", str(model), str(model), "--causal"]) == 1
     assert "is the source" in capsys.readouterr().err
     assert cli_main(["convert", str(model), str(mine)]) == 1 and (mine / "data.txt").is_file()
+    (mine / "config.json").write_text("{}")   # a config.json alone does not make the user's files a checkpoint
+    (mine / "src").mkdir()
+    assert cli_main(["export", str(model), str(mine), "--causal"]) == 1
+    assert "data.txt, src, which are not part of a checkpoint" in capsys.readouterr().err
+    assert (mine / "data.txt").read_text() == "keep me" and (mine / "src").is_dir()
+    (mine / "config.json").unlink()
+    (mine / "src").rmdir()
     assert cli_main(["data", "build", "--out", str(mine)]) == 1 and (mine / "data.txt").read_text() == "keep me"
     assert cli_main(["data", "distill", "--model", str(model), "--data", str(tmp_path), "--out", str(tmp_path)]) == 1
     assert "would replace --data" in capsys.readouterr().err

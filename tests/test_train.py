@@ -281,6 +281,26 @@ def test_run_directory_protects_existing_runs_and_settings(data_dir, tmp_path):
         train(_cfg(data_dir, run, steps=2))
     with pytest.raises(ValueError, match="only --steps may change"):
         train(_cfg(data_dir, run, steps=4, lr=1e-2), resume=True)
+    # without its log, a run's trained weights are still not replaced by a fresh run (a hostile pass lost them)
+    (run / "log.jsonl").unlink()
+    weights = (run / "model" / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoint, model\)"):
+        train(_cfg(data_dir, run, steps=2))
+    assert (run / "model" / "model.safetensors").read_bytes() == weights
+
+
+def test_resume_never_drops_a_log_line_it_cannot_read_but_the_cut_short_last(data_dir, tmp_path):
+    """Only a kill mid-append leaves a line that does not parse, and only as the last: any other such line
+    is the user's to fix, and --resume refuses rather than rewriting the log without it."""
+    run = tmp_path / "run"
+    train(_cfg(data_dir, run, steps=3))
+    lines = (run / "log.jsonl").read_text().splitlines()
+    for bad in ("not json", '{"kind": "train"}'):
+        text = "\n".join([lines[0], bad, *lines[1:]]) + "\n"
+        (run / "log.jsonl").write_text(text)
+        with pytest.raises(ValueError, match="fix or remove it"):
+            train(_cfg(data_dir, run, steps=4), resume=True)
+        assert (run / "log.jsonl").read_text() == text
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

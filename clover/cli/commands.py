@@ -30,6 +30,7 @@ from clover.cli.train import add_data_parser, add_plot_parser, add_train_parser
 from clover.model.chat import ChatFormatError
 from clover.model.checkpoint import (
     CheckpointError,
+    check_checkpoint_target,
     convert_transformers_checkpoint,
     export_causal,
     load_checkpoint,
@@ -37,7 +38,6 @@ from clover.model.checkpoint import (
 )
 from clover.model.checks import verify_model
 from clover.model.config import PRESETS, CloverConfig, ConfigError
-from clover.model.files import check_replaceable
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import Tokenizer, TokenizerError, stdlib_texts
 
@@ -50,7 +50,7 @@ def _human(n: int) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    check_replaceable(args.directory, "config.json", "a checkpoint")
+    check_checkpoint_target(args.directory)
     check_gdn_init(args.gdn_gate_z, args.gdn_dt_max)   # before a tokenizer is trained
     overrides = args.override or {}
     config = CloverConfig.preset(args.preset, **overrides)
@@ -89,7 +89,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 def _source_and_target(source: str, target: str) -> None:
     if Path(source).resolve() == Path(target).resolve():
         raise ValueError(f"the target {target} is the source: write it elsewhere")
-    check_replaceable(target, "config.json", "a checkpoint")
+    check_checkpoint_target(target)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

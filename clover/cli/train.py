@@ -175,7 +175,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         path = Path(run) / "log.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist")
-        records = [value for _, value in json_lines(path)]   # a live run's last line may be cut short
+        records = [value for _, value in json_lines(path, skip_bad=True)]   # a live run's last line may be cut short
         for kind, ax in (("train", axes[0]), ("eval", axes[1])):
             rows = [r for r in records if isinstance(r, dict) and r.get("kind") == kind and "step" in r]
             for key in ("ar_loss", "diffusion_loss", "masked_ce"):

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from clover.model.config import CloverConfig, ConfigError, GenerationConfig
-from clover.model.files import write_directory
+from clover.model.files import check_replaceable, write_directory
 from clover.model.modeling import CloverForCausalLM, RotaryEmbedding
 from clover.model.tokenizer import Tokenizer
 
@@ -36,6 +36,14 @@ CLOVER_EXTRAS = ("conv_right", "preview_log_scale", "history_bias")
 
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "weights" / "clover-tiny"
+# what a checkpoint directory holds (weights, configs, tokenizer, template, remote code, model card, trainer
+# state): a directory with anything else is not replaced by a command that writes a checkpoint
+CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.jinja", "*.py", "README.md", "trainer_state.pt")
+
+
+def check_checkpoint_target(target: str | os.PathLike) -> None:
+    """Refuse to write a checkpoint over a directory that is not one (`files.check_replaceable`)."""
+    check_replaceable(target, "config.json", "a checkpoint", CHECKPOINT_FILES)
 
 
 REMOTE_CODE = [Path(__file__).with_name("remote_code") / f for f in ("configuration_clover.py", "modeling_clover.py")]

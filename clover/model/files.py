@@ -9,6 +9,7 @@ only, so that every layer may use it (the evaluation layer included, which never
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -49,21 +50,28 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def json_lines(path: str | os.PathLike) -> list[tuple[str, Any]]:
-    """Each line of a JSON-lines file that parses, with its value: blank lines and a record that a kill cut
-    short mid-append (appends are not atomic) are left out."""
+def json_lines(path: str | os.PathLike, skip_bad: bool = False) -> list[tuple[str, Any]]:
+    """Each line of a JSON-lines file with its value, blank lines left out, and the last line left out where
+    it does not parse: a record a kill cut short mid-append (appends are not atomic). Any other line that
+    does not parse is an error (ValueError naming it; callers rewrite these files, and would drop it), or
+    with `skip_bad` (a reader only) is left out too."""
+    lines = Path(path).read_text().splitlines()
     out = []
-    for line in Path(path).read_text().splitlines():
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             out.append((line, json.loads(line)))
-        except ValueError:
-            continue
+        except ValueError as exc:
+            if n < len(lines) and not skip_bad:
+                raise ValueError(f"{path}: line {n} is not JSON ({exc}); fix or remove it") from None
     return out
 
 
-def check_replaceable(target: str | os.PathLike, marker: str, what: str) -> None:
-    """Refuse to write `target` over anything but an earlier `what` (a directory holding `marker`) or an empty
-    directory: the atomic swaps that replace a target delete what it held (a user's files, a corpus)."""
+def check_replaceable(target: str | os.PathLike, marker: str, what: str, kinds: tuple[str, ...] | None = None) -> None:
+    """Refuse to write `target` over anything but an earlier `what` (a directory holding `marker`, and with
+    `kinds` only files matching those patterns) or an empty directory: the atomic swaps that replace a target
+    delete what it held (a user's files, a corpus)."""
     target = Path(target)
     if not target.exists():
         return
@@ -72,6 +80,12 @@ def check_replaceable(target: str | os.PathLike, marker: str, what: str) -> None
     if any(target.iterdir()) and not (target / marker).is_file():
         raise ValueError(f"{target} holds files that are not {what}: it would be replaced; choose an empty or new "
                          "directory")
+    others = sorted(p.name for p in target.iterdir()
+                    if kinds is not None and (p.is_dir() or not any(fnmatch.fnmatch(p.name, k) for k in kinds)))
+    if others:
+        raise ValueError(f"{target} holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, which "
+                         f"{'is' if len(others) == 1 else 'are'} not part of {what}: replacing it would delete "
+                         f"{'it' if len(others) == 1 else 'them'}; choose an empty or new directory")
 
 
 def recover_directory(target: str | os.PathLike) -> None:

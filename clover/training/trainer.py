@@ -280,8 +280,10 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     elif resume:
         raise CheckpointError(f"nothing to resume: {ckpt} holds no complete checkpoint")
     else:
-        if (out / "log.jsonl").exists() and d.main:
-            raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+        held = [name for name in ("log.jsonl", "checkpoint", "model") if (out / name).exists()]
+        if held and d.main:   # a fresh run would replace them
+            raise ValueError(f"{out} already holds a run ({', '.join(held)}); pass --resume to continue it or choose "
+                             "another --out")
         model = _build_model(cfg, tokenizer, d.device)
     if cfg.seq_len > model.config.max_position_embeddings:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {model.config.max_position_embeddings} "
@@ -366,5 +368,10 @@ def _truncate_log(path: Path, step: int) -> None:
     record a kill left is dropped)."""
     if not path.exists():
         return
-    keep = [line for line, record in json_lines(path) if isinstance(record, dict) and record["step"] <= step]
+    keep = []
+    for line, record in json_lines(path):
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path} holds a line that is not a training record ({line[:80]!r}); fix or remove it")
+        if record["step"] <= step:
+            keep.append(line)
     write_text_atomic(path, "".join(line + "\n" for line in keep))
