@@ -465,3 +465,67 @@ def test_resume_keeps_the_init_settings_the_run_was_made_with(data_dir, tmp_path
     train(_cfg(data_dir, run, steps=3, init="preset:debug", gdn_dt_max=0.05), resume=True)
     saved = json.loads((run / "train_config.json").read_text())
     assert (saved["gdn_gate_z"], saved["gdn_dt_max"], saved["steps"]) == (0.0, 0.0, 3)
+
+
+def test_a_corrupt_trainer_state_is_named_before_anything_runs(data_dir, tmp_path):
+    """A trainer state cut short, empty, of another shape, from a newer version, or at a step past --steps:
+    one CheckpointError or ValueError naming it (tracebacks, or a run from step -4 with a negative learning
+    rate, before); the run's log is left as it was."""
+    from clover.model.checkpoint import CheckpointError
+
+    run = tmp_path / "run"
+    train(_cfg(data_dir, run, steps=3, save_every=3, eval_every=3))
+    state = run / "checkpoint" / "trainer_state.pt"
+    good, log = state.read_bytes(), (run / "log.jsonl").read_text()
+    saved = torch.load(state, weights_only=True)
+    for content, message in ((good[:100], "cut short or corrupt"), (b"", "cut short or corrupt"),
+                             (b"\x00garbage" * 8, "cut short or corrupt"), ([1, 2], "not a trainer state"),
+                             ({**saved, "step": -5}, "not a trainer state"), ({**saved, "step": "3"}, "not a trainer state"),
+                             ({**saved, "config": {**saved["config"], "new_knob": 1}}, "does not know: \\['new_knob'\\]"),
+                             ({**saved, "step": 9}, "at step 9, past --steps 6")):
+        if isinstance(content, bytes):
+            state.write_bytes(content)
+        else:
+            torch.save(content, state)
+        with pytest.raises((CheckpointError, ValueError), match=message):
+            train(_cfg(data_dir, run, steps=6, save_every=3, eval_every=3), resume=True)
+        assert (run / "log.jsonl").read_text() == log
+
+
+def test_resume_names_the_settings_that_differ_and_follows_a_moved_run(data_dir, tmp_path):
+    train(_cfg(data_dir, tmp_path / "run", steps=3, save_every=3, eval_every=3))
+    (tmp_path / "run").rename(tmp_path / "moved")
+    with pytest.raises(ValueError, match="lr: 0.003 there, 0.01 now"):
+        train(_cfg(data_dir, tmp_path / "moved", steps=6, save_every=3, eval_every=3, lr=1e-2), resume=True)
+    record = train(_cfg(data_dir, tmp_path / "moved", steps=4, save_every=3, eval_every=3), resume=True)
+    assert record["step"] == 4
+
+
+def test_corrupt_token_shards_are_named_not_looped_on(data_dir, tmp_path):
+    """Chat offsets that never advance looped forever in `batch`; a cut-short shard was a BadZipFile or an
+    IndexError mid-batch. Each is a ValueError naming the file, before a batch."""
+    import shutil
+
+    import numpy as np
+
+    bad = tmp_path / "data"
+    shutil.copytree(data_dir, bad)
+    chat = bad / "tokens" / "train_chat.npz"
+    with np.load(chat) as z:
+        ids, mask, offsets = z["ids"], z["mask"], z["offsets"]
+    for shard, message in (({"ids": ids, "mask": mask, "offsets": np.zeros_like(offsets)}, "offsets must rise"),
+                           ({"ids": ids, "mask": mask[:-1], "offsets": offsets}, "mask as long as the ids"),
+                           ({"ids": ids, "mask": mask}, "not a chat shard"), (b"PK\x03\x04cut", "not a chat shard")):
+        if isinstance(shard, bytes):
+            chat.write_bytes(shard)
+        else:
+            np.savez(chat, **shard)
+        with pytest.raises(ValueError, match=message):
+            TokenData(bad, "train", {"chat": 1.0}, 0, pack=True)
+    code = bad / "tokens" / "train_code.bin"
+    code.write_bytes(b"\x01\x00" * 10)
+    with pytest.raises(ValueError, match="train_code.bin holds 10 tokens: too few for windows of 32"):
+        TokenData(bad, "train", {"code": 1.0}, 0).batch(0, 1, 2, 32)
+    code.write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match="train_code.bin is not a token shard"):
+        TokenData(bad, "train", {"code": 1.0}, 0)

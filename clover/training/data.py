@@ -21,6 +21,7 @@ import pydoc_data.topics
 import subprocess
 import sys
 import tarfile
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,6 +228,24 @@ class Batch:
     lengths: torch.Tensor    # [N] valid positions
 
 
+def _chat_shard(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, assistant mask, conversation offsets) of a chat shard, checked: a shard cut short or made by
+    something else is named here (not met as an IndexError mid-batch, or offsets that never advance as a
+    loop that never ends)."""
+    try:
+        with np.load(path) as z:
+            ids, mask, offsets = z["ids"], z["mask"], z["offsets"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path} is not a chat shard of `clover data build`: {exc}") from None
+    if ids.ndim != 1 or mask.shape != ids.shape or offsets.ndim != 1 or len(offsets) < 2 \
+            or not np.issubdtype(offsets.dtype, np.integer):
+        raise ValueError(f"{path}: ids, mask and offsets must be 1-D, the mask as long as the ids, and at least "
+                         "one conversation")
+    if offsets[0] != 0 or offsets[-1] != len(ids) or not (np.diff(offsets) > 0).all():
+        raise ValueError(f"{path}: conversation offsets must rise from 0 to the number of ids ({len(ids)})")
+    return ids, mask, offsets
+
+
 class TokenData:
     """Random windows from the token shards of one split, mixed by kind; chat windows carry the
     assistant mask (SFT) and start at a conversation. Batches are pure functions of (seed, step)."""
@@ -243,18 +262,20 @@ class TokenData:
         self.eos_id = eos_id
         root = Path(directory) / "tokens"
         self.streams: dict[str, np.ndarray] = {}
+        self.paths: dict[str, Path] = {}
         self.chat = None
         for kind in self.mix:
+            path = root / (f"{split}_chat.npz" if kind == "chat" else f"{split}_{kind}.bin")
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing: run `clover data build` first")
+            self.paths[kind] = path
             if kind == "chat":
-                path = root / f"{split}_chat.npz"
-                if not path.is_file():
-                    raise FileNotFoundError(f"{path} is missing: run `clover data build` first")
-                z = np.load(path)
-                self.chat = (z["ids"], z["mask"], z["offsets"])
+                self.chat = _chat_shard(path)
             else:
-                path = root / f"{split}_{kind}.bin"
-                if not path.is_file():
-                    raise FileNotFoundError(f"{path} is missing: run `clover data build` first")
+                size = path.stat().st_size
+                if size < 4 or size % 2:
+                    raise ValueError(f"{path} is not a token shard of `clover data build` (uint16 token ids): "
+                                     f"{size} bytes")
                 self.streams[kind] = np.memmap(path, dtype=np.uint16, mode="r")
 
     def batch(self, seed: int, step: int, size: int, seq_len: int) -> Batch:
@@ -280,6 +301,9 @@ class TokenData:
                 lengths[row] = n
             else:
                 stream = self.streams[kind]
+                if len(stream) <= seq_len:
+                    raise ValueError(f"{self.paths[kind]} holds {len(stream)} tokens: too few for windows of "
+                                     f"{seq_len} (seq_len)")
                 start = int(torch.randint(len(stream) - seq_len, (1,), generator=gen))
                 ids[row] = torch.from_numpy(stream[start: start + seq_len].astype(np.int64))
                 mask[row] = True

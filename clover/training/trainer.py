@@ -264,17 +264,20 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     if d.world > 1:
         dist.barrier()
     if resume and (ckpt / "trainer_state.pt").is_file():
-        try:  # tensors, numbers, strings and containers only: a crafted file cannot run code
-            state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise CheckpointError(f"{ckpt / 'trainer_state.pt'} holds more than optimizer state and settings "
-                                  f"(refused, nothing was run): {str(exc).splitlines()[0]}") from exc
+        state = _read_state(ckpt / "trainer_state.pt")
         # init-only settings shape the random weights and nothing after; a resumed run keeps the saved ones
         # (runs older than a setting made their weights without it: 0)
         saved = TrainConfig(**{**{name: 0.0 for name in INIT_ONLY}, **state["config"]})
         cfg = dataclasses.replace(cfg, **{name: getattr(saved, name) for name in INIT_ONLY})
-        if dataclasses.replace(saved, steps=cfg.steps) != cfg:
-            raise ValueError(f"--resume with different settings than the run in {out}; only --steps may change")
+        # (a run directory may move: `out` is where it is now)
+        changed = [f.name for f in dataclasses.fields(cfg)
+                   if f.name not in ("steps", "out") and getattr(saved, f.name) != getattr(cfg, f.name)]
+        if changed:
+            raise ValueError(f"--resume with different settings than the run in {out} ("
+                             + ", ".join(f"{k}: {getattr(saved, k)!r} there, {getattr(cfg, k)!r} now" for k in changed)
+                             + "); only --steps may change")
+        if state["step"] > cfg.steps:
+            raise ValueError(f"the run in {out} is at step {state['step']}, past --steps {cfg.steps}")
         model = load_checkpoint(ckpt, dtype="float32", device=d.device)
         start = state["step"]
     elif resume:
@@ -356,6 +359,29 @@ def _save(model: CloverForCausalLM, optimizer: torch.optim.Optimizer, cfg: Train
     buf = io.BytesIO()
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(cfg)}, buf)
     save_checkpoint(model, ckpt, extra_files={"trainer_state.pt": buf.getvalue(), **tokenizer.files()})
+
+
+def _read_state(path: Path) -> dict:
+    """A checkpoint's trainer state (step, optimizer state, settings), checked before anything is run."""
+    try:  # tensors, numbers, strings and containers only: a crafted file cannot run code
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        crafted = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]   # code it would call
+        if not crafted:
+            raise CheckpointError(f"{path} is cut short or corrupt (not a pickle torch.load reads)") from None
+        raise CheckpointError(f"{path} holds more than optimizer state and settings (refused, nothing was run): "
+                              f"{crafted[0]}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is cut short or corrupt: {str(exc).splitlines()[0] if str(exc) else exc!r}") \
+            from None
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if not isinstance(state, dict) or not isinstance(state.get("optimizer"), dict) \
+            or not isinstance(state.get("config"), dict) or type(state.get("step")) is not int or state["step"] < 0:
+        raise CheckpointError(f"{path} is not a trainer state of `clover train` (step, optimizer, config)")
+    unknown = sorted(set(state["config"]) - fields)
+    if unknown:
+        raise CheckpointError(f"{path} has settings this version of Clover does not know: {unknown}")
+    return state
 
 
 def _append_log(path: Path, record: dict) -> None:
