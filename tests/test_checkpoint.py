@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,13 @@ from safetensors.torch import load_file, save_file
 from clover.cli.commands import main as cli_main
 from clover.model.checkpoint import (
     CheckpointError,
+    convert_transformers_checkpoint,
     load_checkpoint,
     sanitize_transformers,
     save_checkpoint,
 )
 from clover.model.config import CloverConfig, ConfigError
+from clover.model.modeling import CloverForCausalLM
 from clover.model.testing import assert_close
 
 
@@ -386,3 +389,59 @@ def test_transformers_loads_a_converted_checkpoint_and_an_exported_causal_one(tm
     names = load_file(tmp_path / "plain" / "model.safetensors").keys()
     assert not [n for n in names if n.rsplit(".", 1)[-1] in ("conv_right", "preview_log_scale", "history_bias")]
     assert_close(_hf_logits(tmp_path / "plain", ids), clover_logits, atol=1e-4, what="exported causal")
+
+
+def test_a_checkpoint_with_corrupt_files_is_one_error_naming_them(tmp_path, debug_model):
+    """Found by a hostile pass on files: each was a traceback (or, for the special ids, a model that decodes
+    with an ordinary token as its mask)."""
+    from clover.model.checkpoint import load_for_generation
+    from clover.model.tokenizer import Tokenizer, TokenizerError, stdlib_texts
+
+    good = tmp_path / "good"
+    tok = Tokenizer.train(list(stdlib_texts())[:20], vocab_size=debug_model.config.vocab_size)
+    model = CloverForCausalLM.from_scratch(CloverConfig.preset(
+        "debug", mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_ids), seed=0)
+    save_checkpoint(model, good, extra_files=tok.files())
+    load_for_generation(str(good))
+
+    def broken(name, edit):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        edit(d)
+        return str(d)
+
+    def int_tensor(d):
+        t = load_file(d / "model.safetensors")
+        t["model.norm.weight"] = t["model.norm.weight"].long()
+        save_file(t, d / "model.safetensors")
+
+    cases = [
+        (broken("int", int_tensor), CheckpointError, r"not floating point: model.norm.weight \(int64\)"),
+        (broken("cfg", lambda d: (d / "config.json").write_text("[1, 2]")), CheckpointError, "must be a JSON object"),
+        (broken("gen", lambda d: (d / "generation_config.json").write_text('{"threshold": "0.5"}')), CheckpointError,
+         r"generation_config.json: threshold must be a finite number, got '0.5'"),
+        (broken("gen2", lambda d: (d / "generation_config.json").write_text('{"block_size": true}')), CheckpointError,
+         "block_size must be an integer or null"),
+        (broken("tokcfg", lambda d: ((d / "chat_template.jinja").unlink(), (d / "tokenizer_config.json").write_text("[]"))),
+         TokenizerError, "must hold a JSON object"),
+        (broken("mask", lambda d: (d / "config.json").write_text(
+            (d / "config.json").read_text().replace(f'"mask_token_id": {tok.mask_token_id}', '"mask_token_id": 300'))),
+         CheckpointError, "mask_token_id 300 is not the tokenizer's mask token"),
+    ]
+    for directory, error, message in cases:
+        with pytest.raises(error, match=message):
+            load_for_generation(directory)
+    index = broken("index", lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'))
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names"):
+        load_checkpoint(index)
+    template = broken("tpl", lambda d: (d / "chat_template.jinja").write_text("{{ 1 // 0 }}"))
+    with pytest.raises(ValueError, match="chat template failed: ZeroDivisionError"):
+        Tokenizer.load(template).apply_chat_template([{"role": "user", "content": "hi"}])
+    # export then convert: the mask is the tokenizer's mask token again (it was the last vocabulary row)
+    assert cli_main(["export", str(good), str(tmp_path / "plain"), "--causal"]) == 0
+    assert cli_main(["convert", str(tmp_path / "plain"), str(tmp_path / "again")]) == 0
+    assert load_checkpoint(tmp_path / "again").config.mask_token_id == tok.mask_token_id
+    cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (tmp_path / "plain" / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 8}))
+    with pytest.raises(CheckpointError, match=r"embed_tokens.weight is \(512, 64\), config.json says \(520, 64\)"):
+        convert_transformers_checkpoint(tmp_path / "plain", tmp_path / "bad")

@@ -208,6 +208,9 @@ def test_greedy_picks_the_first_largest_finite_logit_with_or_without_its_confide
     assert token_distribution(rows, greedy, counts).argmax(-1).tolist() == tokens.tolist()
     with pytest.raises(ValueError, match="no token is allowed"):
         pick_tokens(torch.tensor([[0.0, 1.0], [-inf, -inf]]), greedy, torch.zeros(2), None, confidence=False)
+    nan = float("nan")   # broken weights: said as such, not blamed on a grammar
+    with pytest.raises(ValueError, match="logits are NaN"):
+        pick_tokens(torch.tensor([[0.0, 1.0], [nan, nan]]), greedy, torch.zeros(2), None, confidence=False)
 
 
 def test_the_batchs_plain_argmax_equals_the_pick_one_by_one_and_leaves_the_rest_to_it():

@@ -157,3 +157,28 @@ def test_repeat_accuracy_scores_the_second_copy_after_its_first_token(tok):
     assert perfect["digits"]["tokens"] == 5 * 11          # 12 digits, the first unscored, spaces unscored
     blind = scores.repeat_accuracy(Oracle(tok.vocab_size, right=False), tok, count=5)["results"]
     assert all(r["accuracy"] == 0.0 for r in blind.values())
+
+
+def test_bits_per_byte_reads_at_most_max_bytes_and_names_bad_raw_files(tmp_path):
+    """--max-bytes 2000 evaluated a whole first document of 27,486 bytes; a line without "text", or one
+    that is not JSON, was a KeyError or a bare decode error."""
+    from clover.model.config import CloverConfig
+    from clover.model.modeling import CloverForCausalLM
+    from clover.model.tokenizer import Tokenizer
+    from clover.training.scores import bits_per_byte
+
+    raw = tmp_path / "raw" / "val"
+    raw.mkdir(parents=True)
+    text = "def f(x):\n    return x + 1\n" * 40          # 1,080 bytes a document
+    (raw / "code.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(3)))
+    tok = Tokenizer.train([text], vocab_size=300)
+    model = CloverForCausalLM.from_scratch(CloverConfig.preset("debug", vocab_size=512, mask_token_id=tok.mask_token_id,
+                                                               eos_token_id=tok.eos_token_ids), seed=0).eval()
+    r = bits_per_byte(model, tok, tmp_path, "code", "val", max_bytes=1500)
+    assert r["bytes"] == 1500 and r["documents"] == 2
+    (raw / "code.jsonl").write_text('{"text": "x"}\n{"name": "no text"}\n')
+    with pytest.raises(ValueError, match='needs documents, each with a "text" string'):
+        bits_per_byte(model, tok, tmp_path, "code", "val")
+    (raw / "code.jsonl").write_text('{"text": "x"}\nnot json\n')
+    with pytest.raises(ValueError, match="code.jsonl: line 2 is not JSON"):
+        bits_per_byte(model, tok, tmp_path, "code", "val")

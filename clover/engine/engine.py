@@ -24,7 +24,14 @@ import torch
 
 from clover.engine.policies import POLICIES, Policy
 from clover.engine.prefix_cache import PrefixStore, block_keys
-from clover.engine.sampling import InvalidParameter, SamplingParams, TokenLogprob, has_penalties, token_logprobs
+from clover.engine.sampling import (
+    InvalidParameter,
+    NoTokenAllowed,
+    SamplingParams,
+    TokenLogprob,
+    has_penalties,
+    token_logprobs,
+)
 from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
 from clover.engine.structured import GrammarCompiler, GrammarError
 from clover.model.cache import PrefixCache
@@ -459,6 +466,10 @@ class Engine:
         "error", the message in its last event), never the others of the batch."""
         try:
             yield
+        except NoTokenAllowed as exc:   # the request's constraints, or the model's numbers: its error alone
+            log.warning("request %s: %s", s.rid, exc)
+            if s.finish_reason is None:
+                self.finish(s, [], [], "error", events, error=str(exc))
         except GrammarError as exc:   # the request's own grammar failed (a limit of the parser): its error
             log.warning("request %s: its grammar failed: %.500s", s.rid, exc)
             if s.finish_reason is None:

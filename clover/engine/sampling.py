@@ -168,9 +168,18 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
 
 
+class NoTokenAllowed(ValueError):
+    """A position where no token can be picked: one request's failure (the engine ends it alone, with this
+    message), not a fault of the engine."""
+
+
 def _nothing_allowed(logits: torch.Tensor) -> None:
-    if not bool(torch.isfinite(logits).any(-1).all()):
-        raise ValueError("no token is allowed at this position (a grammar, min_tokens or logit_bias excludes all)")
+    empty = ~torch.isfinite(logits).any(-1)
+    if bool(empty.any()):
+        if bool(torch.isnan(logits[empty]).any()):
+            raise NoTokenAllowed("the model's logits are NaN at this position: its weights (or a broken input) "
+                                 "produce no number; `clover check` measures them")
+        raise NoTokenAllowed("no token is allowed at this position (a grammar, min_tokens or logit_bias excludes all)")
 
 
 def pick_tokens(

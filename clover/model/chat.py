@@ -159,13 +159,15 @@ def render_chat(
     them first (`parse_tool_arguments`)."""
     if not messages:
         raise ChatFormatError("messages is empty")
+    messages, tools = _check_messages(messages), validate_tools(tools) or None
     try:
-        return _compiled(template).render(
-            messages=_check_messages(messages), tools=validate_tools(tools) or None,
-            add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **extra,
-        )
+        return _compiled(template).render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                          enable_thinking=enable_thinking, **extra)
     except TemplateError as exc:
         raise ChatFormatError(f"chat template failed: {exc}") from exc
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        # a checkpoint's own template may fail at render time (`{{ 1 // 0 }}`, a macro that calls itself)
+        raise ChatFormatError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
 # -- output parsing -------------------------------------------------------------------------------------

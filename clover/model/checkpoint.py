@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from clover.model.config import CloverConfig, ConfigError, GenerationConfig
 from clover.model.files import check_replaceable, write_directory
 from clover.model.modeling import CloverForCausalLM, RotaryEmbedding
-from clover.model.tokenizer import Tokenizer
+from clover.model.tokenizer import Tokenizer, TokenizerError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -59,9 +59,12 @@ def load_generation_config(directory: str | os.PathLike) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 class CheckpointError(RuntimeError):
@@ -171,6 +174,9 @@ def weight_files(directory: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f and "/" not in f
+                                                       for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names in {directory}")
         files = sorted({directory / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -204,7 +210,11 @@ def _check_and_assign(model: CloverForCausalLM, tensors: dict[str, torch.Tensor]
         f"{k} (checkpoint {tuple(tensors[k].shape)}, config expects {tuple(expected[k].shape)})"
         for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape
     )
+    mistyped = sorted(f"{k} ({str(tensors[k].dtype).removeprefix('torch.')})" for k in set(expected) & set(tensors)
+                      if expected[k].is_floating_point() and not tensors[k].is_floating_point())
     problems = []
+    if mistyped:
+        problems.append(f"tensors that are not floating point: {', '.join(mistyped)}")
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
@@ -289,8 +299,11 @@ def sanitize_transformers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
         n = len(gate)
         if not (len(up) == len(down) == n and sorted(gate) == list(range(n))):
             raise CheckpointError(f"{prefix}: incomplete per-expert tensors")
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]], dim=0) for e in range(n)])
-        out[f"{prefix}.down_proj"] = torch.stack([down[e] for e in range(n)])
+        try:
+            out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]], dim=0) for e in range(n)])
+            out[f"{prefix}.down_proj"] = torch.stack([down[e] for e in range(n)])
+        except RuntimeError as exc:   # experts of different shapes
+            raise CheckpointError(f"{prefix}: the per-expert tensors differ in shape: {exc}") from None
     return out
 
 
@@ -308,8 +321,15 @@ def convert_transformers_checkpoint(
     if not cfg_path.is_file():
         raise CheckpointError(f"no config.json in {source}")
     data = json.loads(cfg_path.read_text())
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{cfg_path} must hold a JSON object")
     if block_size is not None:
         data["block_size"] = block_size
+    if mask_token_id is None and "mask_token_id" not in data and (source / "tokenizer.json").is_file():
+        try:   # a tokenizer with Clover's mask token (an exported Clover checkpoint): that token, not the last row
+            mask_token_id = Tokenizer.load(source).mask_token_id
+        except TokenizerError:
+            pass
     if mask_token_id is not None:
         data["mask_token_id"] = mask_token_id
     config = CloverConfig.from_dict(data)
@@ -322,6 +342,9 @@ def convert_transformers_checkpoint(
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     emb = tensors.get("model.embed_tokens.weight")
+    if emb is not None and tuple(emb.shape) != (config.vocab_size, config.hidden_size):
+        raise CheckpointError(f"{source}: model.embed_tokens.weight is {tuple(emb.shape)}, config.json says "
+                              f"({config.vocab_size}, {config.hidden_size})")
     if emb is not None:
         emb = emb.clone()
         emb[config.mask_token_id] = emb.float().mean(0).to(emb.dtype)
@@ -382,4 +405,17 @@ def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str 
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}")
-    return Loaded(model, tokenizer, GenerationConfig.from_dict(load_generation_config(directory)))
+    # the model and its tokenizer agree on the special tokens (else decoding masks, stops at, or never stops at
+    # ordinary text: config.json's mask id 511 was the token "col" of one a hostile pass edited)
+    if model.config.mask_token_id != tokenizer.mask_token_id:
+        raise CheckpointError(f"{directory}: config.json mask_token_id {model.config.mask_token_id} is not the "
+                              f"tokenizer's mask token ({tokenizer.mask_token_id})")
+    ordinary = [t for t in model.config.eos_token_ids if t not in tokenizer.special_ids.values()]
+    if ordinary:
+        raise CheckpointError(f"{directory}: config.json eos_token_id holds {ordinary}, not special tokens of the "
+                              f"tokenizer (its end-of-sequence tokens are {tokenizer.eos_token_ids})")
+    try:
+        generation = GenerationConfig.from_dict(load_generation_config(directory))
+    except ConfigError as exc:
+        raise CheckpointError(f"{directory / 'generation_config.json'}: {exc}") from None
+    return Loaded(model, tokenizer, generation)

@@ -233,13 +233,20 @@ class CloverConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CloverConfig:
         """Build from a Clover or transformers Qwen3.5-MoE (text or multimodal) config dict."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a config must be a JSON object, got {type(data).__name__}")
         data = dict(data)
         if "text_config" in data:  # a Qwen3_5MoeConfig: the language model lives in text_config
+            if not isinstance(data["text_config"], dict):
+                raise ConfigError(f"text_config must be an object, got {type(data['text_config']).__name__}")
             data = dict(data["text_config"])
         model_type = data.pop("model_type", MODEL_TYPE)
         if model_type not in (MODEL_TYPE, "qwen3_5_moe_text", "qwen3_5_moe"):
             raise ConfigError(f"model_type {model_type!r} is neither Clover ({MODEL_TYPE!r}) nor Qwen3.5-MoE")
-        rope = dict(data.pop("rope_parameters", None) or {})
+        rope = data.pop("rope_parameters", None) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters must be an object, got {rope!r:.80}")
+        rope = dict(rope)
         for legacy in ("rope_theta", "partial_rotary_factor", "rope_type"):  # older flat layout
             if legacy in data:
                 rope.setdefault(legacy, data.pop(legacy))
@@ -248,6 +255,8 @@ class CloverConfig:
         rope.setdefault("partial_rotary_factor", 0.25)
         names = {f.name for f in dataclasses.fields(cls)}
         interval = data.get("full_attention_interval")
+        if interval is not None and (not _is_int(interval) or interval < 1):
+            raise ConfigError(f"full_attention_interval must be a positive integer, got {interval!r}")
         kwargs: dict[str, Any] = {"rope_parameters": rope}
         ignored = []
         for key, value in data.items():
@@ -257,10 +266,11 @@ class CloverConfig:
                 ignored.append(key)
         if ignored:
             log.warning("config keys not used by Clover, ignored: %s", ", ".join(sorted(ignored)))
-        if kwargs.get("layer_types") is None and interval:
-            kwargs["layer_types"] = default_layer_types(int(kwargs.get("num_hidden_layers", 40)), int(interval))
-        if "mask_token_id" not in kwargs:  # a plain Qwen checkpoint: the last vocabulary row becomes the mask
-            kwargs["mask_token_id"] = int(kwargs.get("vocab_size", cls.vocab_size)) - 1
+        layers, vocab = kwargs.get("num_hidden_layers", 40), kwargs.get("vocab_size", cls.vocab_size)
+        if kwargs.get("layer_types") is None and interval and _is_int(layers):   # (else validation names it)
+            kwargs["layer_types"] = default_layer_types(layers, interval)
+        if "mask_token_id" not in kwargs and _is_int(vocab):   # a plain Qwen checkpoint: the last row is the mask
+            kwargs["mask_token_id"] = vocab - 1
         try:
             return cls(**kwargs)
         except TypeError as exc:  # wrong value types surface here
@@ -380,7 +390,14 @@ class GenerationConfig:
     def from_dict(cls, data: dict[str, Any]) -> GenerationConfig:
         """The decoding fields of a generation_config.json (other keys, such as eos ids, are left out)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        kept = {k: v for k, v in data.items() if k in names}
+        for name, value in kept.items():   # kinds only here; ranges are checked per request (SamplingParams)
+            kind_ok = {"algorithm": isinstance(value, str), "block_size": value is None or _is_int(value),
+                       "top_k": _is_int(value)}.get(name, _is_number(value))
+            if not kind_ok:
+                want = {"algorithm": "a string", "block_size": "an integer or null", "top_k": "an integer"}
+                raise ConfigError(f"{name} must be {want.get(name, 'a finite number')}, got {value!r}")
+        return cls(**kept)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

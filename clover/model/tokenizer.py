@@ -44,9 +44,12 @@ def read_chat_template(directory: str | os.PathLike) -> str:
     template = None
     if cfg.is_file():
         try:
-            template = json.loads(cfg.read_text()).get("chat_template")
+            data = json.loads(cfg.read_text())
         except json.JSONDecodeError as exc:
             raise TokenizerError(f"{cfg} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise TokenizerError(f"{cfg} must hold a JSON object, got {type(data).__name__}")
+        template = data.get("chat_template")
     if not isinstance(template, str) or hashlib.sha256(template.encode()).hexdigest() == _LEGACY_TEMPLATE_SHA256:
         return DEFAULT_CHAT_TEMPLATE
     return template

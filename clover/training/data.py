@@ -146,9 +146,17 @@ def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int]
 
 
 def read_raw(out: str | Path, split: str, kind: str) -> Iterator[dict]:
-    with open(Path(out) / "raw" / split / f"{kind}.jsonl") as f:
-        for line in f:
-            yield json.loads(line)
+    """The records of raw/SPLIT/KIND.jsonl; a line that is not a JSON object is a ValueError naming it."""
+    path = Path(out) / "raw" / split / f"{kind}.jsonl"
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: line {n} is not JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: line {n} is not a JSON object")
+            yield record
 
 
 # -- tokens ---------------------------------------------------------------------------------------------

@@ -48,14 +48,17 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
                   window: int = 512, max_bytes: int | None = None) -> dict:
     """Every token of every document is predicted, the first from an end-of-text token, in
     non-overlapping windows of `window` tokens (a window's first tokens see less context)."""
-    docs = [d["text"] for d in read_raw(data, split, kind)]
-    if max_bytes is not None:
+    docs = [d.get("text") for d in read_raw(data, split, kind)]
+    if not docs or not all(isinstance(d, str) for d in docs):
+        raise ValueError(f"{Path(data) / 'raw' / split / kind}.jsonl: needs documents, each with a \"text\" string")
+    if max_bytes is not None:   # the documents in order, the last cut to fit
         kept, total = [], 0
         for d in docs:
             if total >= max_bytes:
                 break
-            kept.append(d)
-            total += len(d.encode())
+            piece = d.encode()[: max_bytes - total].decode(errors="ignore")
+            kept.append(piece)
+            total += len(piece.encode())
         docs = kept
     eos = tok.special_ids[EOS_TOKEN]
     nll, tokens = 0.0, 0
