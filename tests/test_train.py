@@ -362,6 +362,10 @@ def test_bfloat16_training_and_plot(data_dir, tmp_path):
 
     assert cli_main(["plot", str(run), "--out", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "empty").mkdir()   # a log with nothing to draw (it wrote an empty PNG and exited 0)
+    (tmp_path / "empty" / "log.jsonl").write_text('{"kind": "train", "step": 1, "ar_loss": "high"}\n')
+    assert cli_main(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "none.png")]) == 1
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_sft_steps_without_an_assistant_token_in_the_window_log_no_loss(data_dir, tmp_path, capsys):

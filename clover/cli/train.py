@@ -171,6 +171,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    drawn = 0
     for run in args.runs:
         path = Path(run) / "log.jsonl"
         if not path.is_file():
@@ -179,9 +180,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
         for kind, ax in (("train", axes[0]), ("eval", axes[1])):
             rows = [r for r in records if isinstance(r, dict) and r.get("kind") == kind and "step" in r]
             for key in ("ar_loss", "diffusion_loss", "masked_ce"):
-                pts = [(r["step"], r[key]) for r in rows if key in r]
+                pts = [(r["step"], r[key]) for r in rows
+                       if all(isinstance(r.get(k), int | float) and not isinstance(r.get(k), bool) for k in ("step", key))]
+                drawn += len(pts)
                 if pts:
                     ax.plot(*zip(*pts, strict=True), label=f"{Path(run).name}: {key}")
+    if not drawn:
+        raise ValueError(f"no training or validation losses to plot in {', '.join(args.runs)}")
     for ax, title in zip(axes, ("training", "validation"), strict=True):
         ax.set(title=title, xlabel="step", ylabel="nats / token")
         ax.grid(alpha=0.3)
