@@ -445,3 +445,31 @@ def test_a_checkpoint_with_corrupt_files_is_one_error_naming_them(tmp_path, debu
     (tmp_path / "plain" / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 8}))
     with pytest.raises(CheckpointError, match=r"embed_tokens.weight is \(512, 64\), config.json says \(520, 64\)"):
         convert_transformers_checkpoint(tmp_path / "plain", tmp_path / "bad")
+
+
+@pytest.mark.parametrize("data,message", [
+    ([1, 2], "must be a JSON object"), ({"text_config": 3}, "text_config must be an object"),
+    ({"rope_parameters": [1]}, "rope_parameters must be an object"),
+    ({"full_attention_interval": "x"}, "full_attention_interval must be a positive integer"),
+    ({"num_hidden_layers": "x", "full_attention_interval": 4}, "num_hidden_layers must be a positive integer"),
+])
+def test_config_json_of_the_wrong_shape_is_a_config_error(data, message):
+    with pytest.raises(ConfigError, match=message):
+        CloverConfig.from_dict(data)
+
+
+def test_uneven_per_expert_tensors_and_ordinary_eos_ids_are_refused(tmp_path):
+    experts = {f"model.layers.0.mlp.experts.{e}.{k}.weight": torch.zeros(4 + e, 8)
+               for e in range(2) for k in ("gate_proj", "up_proj", "down_proj")}
+    with pytest.raises(CheckpointError, match="per-expert tensors differ in shape"):
+        sanitize_transformers(experts)
+    from clover.model.checkpoint import load_for_generation
+    from clover.model.tokenizer import Tokenizer, stdlib_texts
+
+    tok = Tokenizer.train(list(stdlib_texts())[:20], vocab_size=512)
+    plain = tok.encode("def")[0]   # an ordinary token as end-of-sequence: decoding would stop at it
+    model = CloverForCausalLM.from_scratch(CloverConfig.preset(
+        "debug", mask_token_id=tok.mask_token_id, eos_token_id=[plain]), seed=0)
+    save_checkpoint(model, tmp_path / "m", extra_files=tok.files())
+    with pytest.raises(CheckpointError, match=rf"eos_token_id holds \[{plain}\], not special tokens"):
+        load_for_generation(str(tmp_path / "m"))

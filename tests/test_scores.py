@@ -176,6 +176,11 @@ def test_bits_per_byte_reads_at_most_max_bytes_and_names_bad_raw_files(tmp_path)
                                                                eos_token_id=tok.eos_token_ids), seed=0).eval()
     r = bits_per_byte(model, tok, tmp_path, "code", "val", max_bytes=1500)
     assert r["bytes"] == 1500 and r["documents"] == 2
+    (raw / "code.jsonl").write_text(json.dumps({"text": "é" * 10}) + "\n" + json.dumps({"text": "x" * 10}) + "\n")
+    r = bits_per_byte(model, tok, tmp_path, "code", "val", max_bytes=5)   # the cut falls inside a character
+    assert (r["bytes"], r["documents"]) == (4, 1)
+    with pytest.raises(ValueError, match="no text to score"):
+        bits_per_byte(model, tok, tmp_path, "code", "val", max_bytes=1)
     (raw / "code.jsonl").write_text('{"text": "x"}\n{"name": "no text"}\n')
     with pytest.raises(ValueError, match='needs documents, each with a "text" string'):
         bits_per_byte(model, tok, tmp_path, "code", "val")

@@ -517,7 +517,10 @@ def test_corrupt_token_shards_are_named_not_looped_on(data_dir, tmp_path):
     chat = bad / "tokens" / "train_chat.npz"
     with np.load(chat) as z:
         ids, mask, offsets = z["ids"], z["mask"], z["offsets"]
+    stuck = offsets.copy()
+    stuck[2] = stuck[1]   # an empty conversation: `batch` took 0 tokens from it, again and again
     for shard, message in (({"ids": ids, "mask": mask, "offsets": np.zeros_like(offsets)}, "offsets must rise"),
+                           ({"ids": ids, "mask": mask, "offsets": stuck}, "offsets must rise"),
                            ({"ids": ids, "mask": mask[:-1], "offsets": offsets}, "mask as long as the ids"),
                            ({"ids": ids, "mask": mask}, "not a chat shard"), (b"PK\x03\x04cut", "not a chat shard")):
         if isinstance(shard, bytes):

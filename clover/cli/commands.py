@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--block-size", type=int, help="diffusion block size (default 32)")
-    p.add_argument("--mask-token-id", type=int, help="mask token id (default: the last vocabulary row)")
+    p.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's mask token where SOURCE has a "
+                                                          "Clover tokenizer, else the last vocabulary row)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("export", help="write a checkpoint's causal model as a plain transformers checkpoint",

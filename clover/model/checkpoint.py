@@ -37,8 +37,12 @@ CLOVER_EXTRAS = ("conv_right", "preview_log_scale", "history_bias")
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "weights" / "clover-tiny"
 # what a checkpoint directory holds (weights, configs, tokenizer, template, remote code, model card, trainer
-# state): a directory with anything else is not replaced by a command that writes a checkpoint
-CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.jinja", "*.py", "README.md", "trainer_state.pt")
+# state; a transformers checkpoint's special_tokens_map.json; the temp file of an atomic write a kill left):
+# a directory with anything else is not replaced by a command that writes a checkpoint
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                    "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "configuration_clover.py", "modeling_clover.py", "README.md",
+                    "training_record.json", "trainer_state.pt", ".*.tmp")
 
 
 def check_checkpoint_target(target: str | os.PathLike) -> None:
@@ -409,7 +413,8 @@ def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str 
     # ordinary text: config.json's mask id 511 was the token "col" of one a hostile pass edited)
     if model.config.mask_token_id != tokenizer.mask_token_id:
         raise CheckpointError(f"{directory}: config.json mask_token_id {model.config.mask_token_id} is not the "
-                              f"tokenizer's mask token ({tokenizer.mask_token_id})")
+                              f"tokenizer's mask token ({tokenizer.mask_token_id}); convert the source again, or set "
+                              "mask_token_id in config.json to the tokenizer's")
     ordinary = [t for t in model.config.eos_token_ids if t not in tokenizer.special_ids.values()]
     if ordinary:
         raise CheckpointError(f"{directory}: config.json eos_token_id holds {ordinary}, not special tokens of the "

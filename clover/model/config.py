@@ -392,11 +392,15 @@ class GenerationConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kept = {k: v for k, v in data.items() if k in names}
         for name, value in kept.items():   # kinds only here; ranges are checked per request (SamplingParams)
-            kind_ok = {"algorithm": isinstance(value, str), "block_size": value is None or _is_int(value),
-                       "top_k": _is_int(value)}.get(name, _is_number(value))
+            whole = _is_number(value) and float(value).is_integer()   # (20.0 is 20)
+            kind_ok = {"algorithm": isinstance(value, str), "block_size": value is None or whole,
+                       "top_k": whole}.get(name, _is_number(value))
             if not kind_ok:
                 want = {"algorithm": "a string", "block_size": "an integer or null", "top_k": "an integer"}
                 raise ConfigError(f"{name} must be {want.get(name, 'a finite number')}, got {value!r}")
+        for name in ("block_size", "top_k"):
+            if kept.get(name) is not None:
+                kept[name] = int(kept[name])
         return cls(**kept)
 
     def to_dict(self) -> dict[str, Any]:

@@ -54,11 +54,11 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
     if max_bytes is not None:   # the documents in order, the last cut to fit
         kept, total = [], 0
         for d in docs:
-            if total >= max_bytes:
-                break
             piece = d.encode()[: max_bytes - total].decode(errors="ignore")
             kept.append(piece)
             total += len(piece.encode())
+            if len(piece) < len(d):   # the budget ends in this document
+                break
         docs = kept
     eos = tok.special_ids[EOS_TOKEN]
     nll, tokens = 0.0, 0
@@ -71,6 +71,9 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
             tokens += chunk.shape[1] - 1
     raw = "".join(docs).encode()
     n = len(raw)
+    if n == 0:
+        raise ValueError(f"{Path(data) / 'raw' / split / kind}.jsonl: no text to score (empty documents, or "
+                         "--max-bytes smaller than a character)")
     return {
         "kind": kind, "split": split, "documents": len(docs), "bytes": n, "tokens": tokens,
         "model_bits_per_byte": nll / math.log(2) / n, "model_nats_per_token": nll / tokens,
