@@ -427,6 +427,9 @@ def test_a_checkpoint_with_corrupt_files_is_one_error_naming_them(tmp_path, debu
         (broken("mask", lambda d: (d / "config.json").write_text(
             (d / "config.json").read_text().replace(f'"mask_token_id": {tok.mask_token_id}', '"mask_token_id": 300'))),
          CheckpointError, "mask_token_id 300 is not the tokenizer's mask token"),
+        (broken("tie", lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace(
+            '"tie_word_embeddings": false', '"tie_word_embeddings": true'))), CheckpointError,
+         "an lm_head.weight of its own, which would be dropped"),
     ]
     for directory, error, message in cases:
         with pytest.raises(error, match=message):

@@ -207,7 +207,11 @@ def _check_and_assign(model: CloverForCausalLM, tensors: dict[str, torch.Tensor]
     expected = {k: v for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-        tensors.pop("lm_head.weight", None)
+        head, emb = tensors.pop("lm_head.weight", None), tensors.get("model.embed_tokens.weight")
+        if head is not None and emb is not None and not torch.equal(head, emb):
+            raise CheckpointError(f"{source}: config.json ties the output head to the embeddings "
+                                  "(tie_word_embeddings) but the weights hold an lm_head.weight of its own, which "
+                                  "would be dropped")
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     misshaped = sorted(
