@@ -37,11 +37,15 @@ def port(text: str) -> int:
     return value
 
 
-def finite_float(text: str) -> float:
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
+def finite_float(text: str) -> float:
+    value = _float(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
@@ -56,10 +60,7 @@ def positive_float(text: str) -> float:
 
 def rate(text: str) -> float:
     """A positive rate; inf: all at once."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    value = _float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number (inf: all at once), got {text}")
     return value
