@@ -6,64 +6,45 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 
-def _int(text: str) -> int:
+def _number(text: str, kind: type, ok: Callable[[Any], bool], rule: str) -> Any:
+    """`text` as an int or float that passes `ok`, else a usage error saying `rule`."""
     try:
-        return int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") \
+            from None
+    if not ok(value):   # (NaN fails every comparison)
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+    return value
 
 
 def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def nonnegative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+    return _number(text, int, lambda v: v >= 0, "0 or more")
 
 
 def port(text: str) -> int:
-    value = _int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {text}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    return _number(text, int, lambda v: 1 <= v <= 65535, "a TCP port in [1, 65535]")
 
 
 def finite_float(text: str) -> float:
-    value = _float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
+    return _number(text, float, math.isfinite, "a finite number")
 
 
 def positive_float(text: str) -> float:
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+    return _number(text, float, lambda v: 0 < v < math.inf, "a positive finite number")
 
 
 def rate(text: str) -> float:
     """A positive rate; inf: all at once."""
-    value = _float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number (inf: all at once), got {text}")
-    return value
+    return _number(text, float, lambda v: v > 0, "a positive number (inf: all at once)")
 
 
 def json_object(text: str) -> dict[str, Any]:
