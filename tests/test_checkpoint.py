@@ -434,6 +434,8 @@ def test_a_checkpoint_with_corrupt_files_is_one_error_naming_them(tmp_path, debu
     for directory, error, message in cases:
         with pytest.raises(error, match=message):
             load_for_generation(directory)
+    with pytest.raises(CheckpointError, match="model.safetensors is a file, not a checkpoint directory"):
+        load_checkpoint(good / "model.safetensors")
     index = broken("index", lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'))
     with pytest.raises(CheckpointError, match="weight_map must map tensor names"):
         load_checkpoint(index)

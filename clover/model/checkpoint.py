@@ -273,6 +273,8 @@ def load_checkpoint(
                 f"the shipped model is not in this checkout ({directory}); build it with `make model` or pass "
                 "--model DIR (a random-weight one: `clover init DIR --preset tiny`)"
             )
+        if directory.exists():
+            raise CheckpointError(f"{directory} is a file, not a checkpoint directory")
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     try:
         config = CloverConfig.load(directory)
