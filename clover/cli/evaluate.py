@@ -10,7 +10,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clover.cli.options import finite_float, json_object, nonnegative_int, positive_float, positive_int, rate
+from clover.cli.options import (
+    finite_float,
+    json_object,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    rate,
+    thresholds,
+)
 from clover.engine.sampling import ALGORITHMS
 from clover.model.files import write_text_atomic
 
@@ -32,17 +40,6 @@ def parse_endpoints(urls: list[str], models: list[str], api_key: str | None) -> 
             raise ValueError(f"--endpoint {spec!r} is not a URL; use http://HOST:PORT/v1 or NAME=http://HOST:PORT/v1")
         out.append(Endpoint(url=url, model=models[i % len(models)], name=name, api_key=api_key))
     return out
-
-
-def thresholds(text: str) -> tuple[float, ...]:
-    """`--thresholds 0.7,0.9`: confidence thresholds in (0, 1]."""
-    try:
-        values = tuple(float(t) for t in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or not all(0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"must be comma-separated numbers in (0, 1], got {text!r}")
-    return values
 
 
 def cmd_eval_agent(args: argparse.Namespace) -> int:

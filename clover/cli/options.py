@@ -47,6 +47,17 @@ def rate(text: str) -> float:
     return _number(text, float, lambda v: v > 0, "a positive number (inf: all at once)")
 
 
+def thresholds(text: str) -> tuple[float, ...]:
+    """`--thresholds 0.7,0.9`: confidence thresholds in (0, 1]."""
+    try:
+        values = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers in (0, 1], got {text!r}")
+    return values
+
+
 def json_object(text: str) -> dict[str, Any]:
     """A JSON object (NaN and infinities refused: they are not JSON, and no setting wants them)."""
     def refuse(constant: str) -> None:

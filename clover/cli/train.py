@@ -178,7 +178,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{path} does not exist")
         records = [value for _, value in json_lines(path, skip_bad=True)]   # a live run's last line may be cut short
         for kind, ax in (("train", axes[0]), ("eval", axes[1])):
-            rows = [r for r in records if isinstance(r, dict) and r.get("kind") == kind and "step" in r]
+            rows = [r for r in records if isinstance(r, dict) and r.get("kind") == kind]
             for key in ("ar_loss", "diffusion_loss", "masked_ce"):
                 pts = [(r["step"], r[key]) for r in rows
                        if all(isinstance(r.get(k), int | float) and not isinstance(r.get(k), bool) for k in ("step", key))]
