@@ -16,6 +16,8 @@ DATA=${DATA:-data}
 RUNS=${RUNS:-runs/recipe}
 OUT=${OUT:-clover/weights/clover-tiny}
 PRESET=${PRESET:-tiny-wide}   # the shape (clover/model/config.py PRESETS): the shape sweep's winner; tiny: the previous release's
+GDN_GATE_Z=${GDN_GATE_Z:-2.0}  # the from-scratch GDN init of the AR stage (`clover train --gdn-gate-z / --gdn-dt-max`);
+GDN_DT_MAX=${GDN_DT_MAX:-0.1}  # 0 and 0 give the transformers-style init the shipped weights were trained from
 AR_STEPS=${AR_STEPS:-1800}
 DIFF_STEPS=${DIFF_STEPS:-550}
 SFT_STEPS=${SFT_STEPS:-500}
@@ -81,7 +83,7 @@ stage "AR pretraining"
 # from random weights with the GDN output gates opened (`clover train --gdn-gate-z`, default 2: 4-5% lower bits
 # per byte after 400 steps, docs/measurements.md, session 23) and a slowly decaying GDN state (`--gdn-dt-max`,
 # default 0.1, session 24); the shipped weights were built before both (z 0, dt_bias 1)
-train "$RUNS/ar" --data "$DATA" --init "preset:$PRESET" --objective ar --steps "$AR_STEPS" --batch-size 8 \
+train "$RUNS/ar" --data "$DATA" --init "preset:$PRESET" --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX" --objective ar --steps "$AR_STEPS" --batch-size 8 \
   --seq-len 512 --lr 3e-3 --warmup 100 --mix "$MIX" --pack --eval-every 300 --save-every 50
 stage "convert the AR parent into a block-diffusion model"
 [ -f "$RUNS/diff-init/config.json" ] || timed convert "$BIN/clover" convert "$RUNS/ar/model" "$RUNS/diff-init"
