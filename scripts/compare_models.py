@@ -7,6 +7,8 @@ the figures of the model that is chosen):
   turns        `clover eval turns --split val --tool-grammar`, pools train and heldout (--conversations each)
   bpb          `clover eval bpb --split val`: bits per byte on code and English
   match        `clover eval match --split val --thresholds 0.95`: low_confidence's TPF and per-token match
+  shown, not judged: turns by task family, and `clover eval copy --split val` (teacher-forced accuracy on
+  the digits an agent conversation copies, and on other tokens seen before in it): where turns are lost
 Each result is written to OUT/<first 16 hex digits of the weights' SHA-256>/<evaluation>.json with what made
 it: the weights, the model's tokenizer and chat template, the package's source, the settings, the
 conversations drawn and the data files read. It is reused only when all of those are the same (the figures
@@ -81,6 +83,7 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
                    lambda m, t, s=settings: scores.turn_accuracy(m, t, **s))
         figures[f"turns_{pool}"] = r["exact"]
         figures[f"turns_{pool}_n"] = r["turns"]
+        figures[f"turns_{pool}_by_family"] = {f: v["exact"] for f, v in r["by_family"].items()}
     raw = files_digest([Path(data) / "raw" / "val" / f"{kind}.jsonl" for kind in ("code", "english")])
     settings = {"kinds": ["code", "english"], "split": "val", "raw_sha256": raw}
     r = cached("bpb", settings, lambda m, t: [scores.bits_per_byte(m, t, data, k, "val") for k in settings["kinds"]])
@@ -91,6 +94,10 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
     r = cached("match", settings, lambda m, t: scores.continuation_match(m, t, data, prompts, thresholds=(0.95,),
                                                                         split="val"))
     rows = {(x["algorithm"], x["threshold"]): x for x in r["results"]}
+    settings = {"count": conversations, "split": "val"}   # shown, not judged: where the turns are lost
+    r = cached("copy", settings, lambda m, t, s=settings: scores.copy_accuracy(m, t, **s))
+    figures["copy_numbers"], figures["copy_other"] = (r["results"][k]["accuracy"] for k in ("number_copied",
+                                                                                             "other_copied"))
     figures["lc_tpf"], figures["lc_match"] = rows["low_confidence", 0.95]["tpf"], rows["low_confidence", 0.95]["match"]
     figures["ar_match"], figures["verify_tpf"] = rows["ar", None]["match"], rows["verify", None]["tpf"]
     return figures
@@ -156,9 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     print("== candidate", file=sys.stderr)
     cand = measure(a.candidate, a.data, out, a.conversations, a.prompts)
     keys = ("turns_train", "turns_heldout", "bpb_code", "bpb_english", "lc_tpf", "lc_match", "ar_match", "verify_tpf")
-    print(f"{'':16}{'baseline':>12}{'candidate':>12}")
+    print(f"{'':20}{'baseline':>12}{'candidate':>12}")
     for k in keys:
-        print(f"{k:16}{base[k]:12.4f}{cand[k]:12.4f}")
+        print(f"{k:20}{base[k]:12.4f}{cand[k]:12.4f}")
+    print("shown, not judged:")
+    for pool in ("train", "heldout"):
+        by_base, by_cand = base[f"turns_{pool}_by_family"], cand[f"turns_{pool}_by_family"]
+        for family in sorted(by_base.keys() | by_cand.keys()):
+            print(f"{f'  {pool} {family}':20}{by_base.get(family, float('nan')):12.4f}"
+                  f"{by_cand.get(family, float('nan')):12.4f}")
+    for k in ("copy_numbers", "copy_other"):
+        print(f"{'  ' + k:20}{base[k]:12.4f}{cand[k]:12.4f}")
     replace, checks = verdict(cand, base, a)
     for text, ok in checks:
         print(f"  [{'x' if ok else ' '}] {text}")
