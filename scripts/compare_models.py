@@ -12,7 +12,8 @@ the figures of the model that is chosen):
 Each result is written to OUT/<first 16 hex digits of the weights' SHA-256>/<evaluation>.json with what made
 it: the weights, the model's tokenizer and chat template, the package's source, the settings, the
 conversations drawn and the data files read. It is reused only when all of those are the same (the figures
-are greedy and deterministic, so a baseline need not be measured again for every candidate).
+are greedy and deterministic, so a baseline need not be measured again for every candidate; except `verify`'s
+TPF, shown, not judged: its drafts per check follow the forward times it measures, so the machine's load moves it).
 
 The rule (the defaults: the one written before any of its figures for the recipe rebuilt from the opened-gate,
 slow-decay init, docs/measurements.md, session 29; earlier releases had rules of their own): the candidate
