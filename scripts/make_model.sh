@@ -11,6 +11,9 @@
 # Chat rows are packed with several conversations (--pack); SFT keeps code and English in the mix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The whole script is one compound command, read before it runs: editing this file while a build runs (e.g. a
+# step count for the next sitting) cannot change or break the running build.
+{
 BIN=${BIN:-.venv/bin}
 DATA=${DATA:-data}
 RUNS=${RUNS:-runs/recipe}
@@ -142,3 +145,5 @@ src, dst = sys.argv[1:]
 save_checkpoint(load_checkpoint(src), dst, dtype="bfloat16", extra_files=Tokenizer.load(src).files())
 PY
 stage "done; this sitting took $(( ($(date +%s) - start) / 60 )) minutes (every sitting: $RUNS/times.jsonl)"
+exit
+}
