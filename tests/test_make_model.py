@@ -61,3 +61,31 @@ def test_a_run_without_a_checkpoint_starts_over_and_a_finished_one_is_skipped(tm
     assert _train(tmp_path, run) == ["train", "--out", str(run), "--steps", "9", "--dtype", "bfloat16"]
     assert not (run / "log.jsonl").exists()   # the half run was removed before it started again
     assert _train(tmp_path, run) == []        # DONE
+
+
+def test_editing_the_script_during_a_build_does_not_change_the_build(tmp_path):
+    """bash reads a script as it runs it: a line added to the file during a build would run too. The whole
+    recipe is one compound command, read before it starts. The stand-in `clover` appends a line to the copy
+    being run at its first call; the build goes on to its end without running it."""
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "make_model.sh"
+    script.write_text((ROOT / "scripts" / "make_model.sh").read_text())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/usr/bin/env bash\ncat > /dev/null\n")   # the release step: reads its program
+    (bin_dir / "clover").write_text(
+        '#!/usr/bin/env bash\n'
+        '[ -f "$SCRIPT.edited" ] || { echo \'touch "$MARK"\' >> "$SCRIPT"; touch "$SCRIPT.edited"; }\n'
+        'if [ "$1" = train ]; then mkdir -p "$3"; fi\n')
+    for tool in ("python", "clover"):
+        (bin_dir / tool).chmod(0o755)
+    data = tmp_path / "data"
+    (data / "tokens").mkdir(parents=True)
+    (data / "tokens" / "counts.json").write_text("{}")
+    mark = tmp_path / "INJECTED"
+    env = {"PATH": "/usr/bin:/bin", "BIN": str(bin_dir), "DATA": str(data), "RUNS": str(tmp_path / "runs"),
+           "OUT": str(tmp_path / "out"), "SCRIPT": str(script), "MARK": str(mark), "DTYPE": "float32"}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "scripts" / "make_model.sh.edited").exists()   # the file was edited during the build
+    assert "== done" in done.stderr and not mark.exists()
