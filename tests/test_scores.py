@@ -179,6 +179,8 @@ def test_bits_per_byte_reads_at_most_max_bytes_and_names_bad_raw_files(tmp_path)
     (raw / "code.jsonl").write_text(json.dumps({"text": "é" * 10}) + "\n" + json.dumps({"text": "x" * 10}) + "\n")
     r = bits_per_byte(model, tok, tmp_path, "code", "val", max_bytes=5)   # the cut falls inside a character
     assert (r["bytes"], r["documents"]) == (4, 1)
+    r = bits_per_byte(model, tok, tmp_path, "code", "val", max_bytes=20)   # the budget ends with a document
+    assert (r["bytes"], r["documents"]) == (20, 1)
     with pytest.raises(ValueError, match="no text to score"):
         bits_per_byte(model, tok, tmp_path, "code", "val", max_bytes=1)
     (raw / "code.jsonl").write_text('{"text": "x"}\n{"name": "no text"}\n')

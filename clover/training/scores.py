@@ -57,7 +57,7 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
             piece = d.encode()[: max_bytes - total].decode(errors="ignore")
             kept.append(piece)
             total += len(piece.encode())
-            if len(piece) < len(d):   # the budget ends in this document
+            if total >= max_bytes or len(piece) < len(d):   # the budget is spent, or ends in this document
                 break
         docs = kept
     eos = tok.special_ids[EOS_TOKEN]
