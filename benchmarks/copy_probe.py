@@ -90,12 +90,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--pass-at", type=float, default=0.9)
-    ap.add_argument("--gdn-gate-z", type=float, default=2.0,
-                    help="GDN output gates opened to silu(z) at this mean z at init, as `clover train` does "
-                         "(0: the transformers-style init)")
-    ap.add_argument("--gdn-dt-max", type=float, default=0.1,
-                    help="GDN decay steps drawn log-uniform in [0.001, this] at init, as `clover train` does "
-                         "(0: the transformers-style dt_bias 1)")
+    ap.add_argument("--gdn-gate-z", type=float, default=0.0,
+                    help="GDN output gates opened to silu(z) at this mean z at init, as `clover train --gdn-gate-z` "
+                         "does (default 0: the transformers-style init, `clover train`'s default since session 34)")
+    ap.add_argument("--gdn-dt-max", type=float, default=0.0,
+                    help="GDN decay steps drawn log-uniform in [0.001, this] at init, as `clover train --gdn-dt-max` "
+                         "does (default 0: the transformers-style dt_bias 1)")
     ap.add_argument("--seeds", default="0", help="comma-separated: each layout is trained once per seed (weights "
                     "and rows); when induction forms varies from seed to seed")
     args = ap.parse_args()

@@ -84,7 +84,7 @@ if [ ! -f "$DATA/tokens/counts.json" ]; then
 fi
 stage "AR pretraining"
 # from random weights with the transformers-style GDN init (GDN_GATE_Z=0 GDN_DT_MAX=0: gates z 0, dt_bias 1), as
-# the shipped weights were. `clover train`'s own defaults (z 2, dt_max 0.1: 4-5% lower bits per byte after 400
+# the shipped weights were. The opened-gate, slow-decay init (z 2, dt_max 0.1: 4-5% lower bits per byte after 400
 # steps, docs/measurements.md, sessions 23-24) built a release that copied numbers worse and answered 0.116 /
 # 0.102 of the validation agent turns (sessions 30-32); this init rebuilt one at 0.290 / 0.222 against the
 # shipped 0.288 / 0.237 (session 34)

@@ -156,11 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--override", type=json_object, help='JSON object of config fields to change, e.g. \'{"block_size": 16}\'')
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gdn-gate-z", type=float, default=2.0,
-                   help="open the GDN output gates to silu(z) at this mean z (0: the transformers-style init)")
-    p.add_argument("--gdn-dt-max", type=float, default=0.1,
-                   help="GDN decay steps softplus(dt_bias) log-uniform in [0.001, this] (0: the transformers-style "
-                        "dt_bias 1)")
+    p.add_argument("--gdn-gate-z", type=float, default=0.0,
+                   help="open the GDN output gates to silu(z) at this mean z (default 0: the transformers-style init)")
+    p.add_argument("--gdn-dt-max", type=float, default=0.0,
+                   help="GDN decay steps softplus(dt_bias) log-uniform in [0.001, this] (default 0: the "
+                        "transformers-style dt_bias 1)")
     p.add_argument("--force", action="store_true", help="allow presets over 2B parameters")
     p.add_argument("--tokenizer", metavar="DIR", help="copy the tokenizer of this directory")
     p.add_argument("--no-tokenizer", action="store_true",

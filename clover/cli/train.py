@@ -148,12 +148,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, type=float, help="router load-balancing weight (default: the model config's)")
         elif f.name == "gdn_gate_z":
             p.add_argument(flag, type=float, help="with --init preset:NAME: open the GDN output gates of the random "
-                                                  "weights to silu(z) at this mean z (default 2.0; 0: the "
+                                                  "weights to silu(z) at this mean z (default 0: the "
                                                   "transformers-style init, whose gates start as noise)")
         elif f.name == "gdn_dt_max":
             p.add_argument(flag, type=float, help="with --init preset:NAME: draw each GDN head's decay step "
                                                   "softplus(dt_bias) log-uniform in [0.001, this] so the state "
-                                                  "is remembered (default 0.1; 0: the transformers-style "
+                                                  "is remembered (default 0: the transformers-style "
                                                   "dt_bias 1, which forgets within a token or two)")
         elif f.name == "certainty_weight":
             p.add_argument(flag, type=float, help="diffusion: weight of the entropy at masked positions the noisy "

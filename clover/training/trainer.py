@@ -42,8 +42,8 @@ class TrainConfig:
     data: str                                  # data directory (from `clover data build`)
     out: str                                   # run directory
     init: str = "preset:tiny-wide"             # "preset:NAME" (random weights) or a checkpoint directory
-    gdn_gate_z: float = 2.0                    # preset init only: GDN output gates opened to this mean z (0: off)
-    gdn_dt_max: float = 0.1                    # preset init only: GDN decay steps log-uniform in [1e-3, this] (0: off)
+    gdn_gate_z: float = 0.0                    # preset init only: GDN output gates opened to this mean z (0: off)
+    gdn_dt_max: float = 0.0                    # preset init only: GDN decay steps log-uniform in [1e-3, this] (0: off)
     objective: str = "ar"                      # "ar" or "diffusion"
     sft: bool = False                          # score (and noise) assistant tokens only
     pack: bool = False                         # fill chat rows with several conversations
