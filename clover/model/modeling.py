@@ -470,7 +470,7 @@ class CloverForCausalLM(nn.Module):
         transformers-style init, then, where asked, the GDN heads set to remember (`slow_gdn_decay`,
         gdn_dt_max > 0) and their output gates opened (`open_gdn_gates`, gdn_gate_z != 0). Both are off by
         default: at 1,800 AR steps of tiny-wide (two seeds) together they copied numbers worse than the
-        constructor's init (0.745 / 0.656 against 0.811 / 0.736 teacher-forced) at equal bits per byte, and a
+        constructor's init (0.745 / 0.656 against 0.811 / 0.736 teacher-forced) at bits per byte within 1%, and a
         recipe built from them answered less than half the agent turns (docs/measurements.md, sessions 33-34)."""
         check_gdn_init(gdn_gate_z, gdn_dt_max)
         torch.manual_seed(seed)
