@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
+from clover.training.trainer import TrainConfig
 
 LETTERS = {"L": "linear_attention", "F": "full_attention"}
 
@@ -90,10 +91,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--pass-at", type=float, default=0.9)
-    ap.add_argument("--gdn-gate-z", type=float, default=0.0,
+    ap.add_argument("--gdn-gate-z", type=float, default=TrainConfig.gdn_gate_z,
                     help="GDN output gates opened to silu(z) at this mean z at init, as `clover train --gdn-gate-z` "
                          "does (default 0: the transformers-style init, `clover train`'s default since session 34)")
-    ap.add_argument("--gdn-dt-max", type=float, default=0.0,
+    ap.add_argument("--gdn-dt-max", type=float, default=TrainConfig.gdn_dt_max,
                     help="GDN decay steps drawn log-uniform in [0.001, this] at init, as `clover train --gdn-dt-max` "
                          "does (default 0: the transformers-style dt_bias 1)")
     ap.add_argument("--seeds", default="0", help="comma-separated: each layout is trained once per seed (weights "

@@ -40,6 +40,7 @@ from clover.model.checks import verify_model
 from clover.model.config import PRESETS, CloverConfig, ConfigError
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import Tokenizer, TokenizerError, stdlib_texts
+from clover.training.trainer import TrainConfig
 
 
 def _human(n: int) -> str:
@@ -156,9 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--override", type=json_object, help='JSON object of config fields to change, e.g. \'{"block_size": 16}\'')
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gdn-gate-z", type=float, default=0.0,
+    # the GDN init options and their defaults are `clover train --init preset:NAME`'s (TrainConfig)
+    p.add_argument("--gdn-gate-z", type=float, default=TrainConfig.gdn_gate_z,
                    help="open the GDN output gates to silu(z) at this mean z (default 0: the transformers-style init)")
-    p.add_argument("--gdn-dt-max", type=float, default=0.0,
+    p.add_argument("--gdn-dt-max", type=float, default=TrainConfig.gdn_dt_max,
                    help="GDN decay steps softplus(dt_bias) log-uniform in [0.001, this] (default 0: the "
                         "transformers-style dt_bias 1)")
     p.add_argument("--force", action="store_true", help="allow presets over 2B parameters")
