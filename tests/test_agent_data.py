@@ -155,6 +155,41 @@ def test_packing_fills_chat_rows(tmp_path):
         assert any(c[: len(cur)] == cur for c in convs)
 
 
+def test_whole_packing_keeps_every_conversation_whole(tmp_path):
+    """`pack_whole`: a row holds whole conversations only (its rest padded, not scored); only one longer than
+    a row is cut, alone in its row. Split packing cuts the last conversation of most rows."""
+    (tmp_path / "tokens").mkdir()
+    convs = [[5, 6, 7, 0], [8, 9, 0], [10, 11, 12, 13, 14, 15, 0], [20 + i for i in range(20)] + [0]]
+    ids = np.asarray([t for c in convs for t in c], dtype=np.uint16)
+    offsets = np.cumsum([0] + [len(c) for c in convs])
+    np.savez(tmp_path / "tokens" / "train_chat.npz", ids=ids, mask=np.ones_like(ids, dtype=np.uint8), offsets=offsets)
+    with pytest.raises(ValueError, match="needs pack"):
+        TokenData(tmp_path, "train", {"chat": 1.0}, eos_id=0, whole=True)
+    data = TokenData(tmp_path, "train", {"chat": 1.0}, eos_id=0, pack=True, whole=True)
+    cut = 0
+    for step in range(20):
+        b = data.batch(0, step, 4, 16)
+        assert b.ids.shape == (4, 16)
+        for row, n, scored in zip(b.ids.tolist(), b.lengths.tolist(), b.loss_mask.tolist(), strict=True):
+            assert not any(scored[n:]) and all(t == 0 for t in row[n:])      # the padded rest: eos, not scored
+            if row[0] == 20:                                                 # the 21-token one, cut alone
+                assert n == 16 and row == convs[3][:16]
+                cut += 1
+                continue
+            pieces, cur = [], []
+            for t in row[:n]:
+                cur.append(t)
+                if t == 0:
+                    pieces.append(cur)
+                    cur = []
+            assert cur == [] and pieces and all(p in convs[:3] for p in pieces)
+            assert 16 - n < 7                                                # closed only when no whole one fits
+    assert cut > 0
+    assert data.batch(3, 7, 4, 16).ids.equal(data.batch(3, 7, 4, 16).ids)      # a pure function of (seed, step)
+    split = TokenData(tmp_path, "train", {"chat": 1.0}, eos_id=0, pack=True).batch(0, 1, 4, 16)
+    assert split.lengths.tolist() == [16] * 4
+
+
 def test_synthetic_make_faulty_calc_is_the_harness_task():
     task = synthetic.make_faulty_calc(5)
     assert task.family == "calc_faulty" and sum(m["role"] == "tool" for m in task.messages) == 3

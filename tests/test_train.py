@@ -440,6 +440,7 @@ def test_train_config_refuses_a_gdn_decay_range_it_cannot_draw():
     ({"ar_loss_weight": math.nan}, "ar_loss_weight"), ({"certainty_weight": math.inf}, "certainty_weight"),
     ({"mix": "code=-1,english=1"}, "mix weights"), ({"mix": "code=nan"}, "mix weights"),
     ({"mix": "code=0"}, "mix weights"), ({"eval_batches": 0}, "eval_batches"), ({"aux_loss_coef": -1.0}, "aux_loss"),
+    ({"pack_whole": True}, "needs pack"),
 ])
 def test_train_config_refuses_values_that_would_train_nonsense(change, message):
     """Each of these was accepted and trained before (a NaN weight decay, a negative clip, a NaN loss weight):

@@ -47,6 +47,7 @@ class TrainConfig:
     objective: str = "ar"                      # "ar" or "diffusion"
     sft: bool = False                          # score (and noise) assistant tokens only
     pack: bool = False                         # fill chat rows with several conversations
+    pack_whole: bool = False                   # with pack: whole conversations only (a row's rest padded)
     mix: str = "code=0.5,english=0.3,chat=0.2"
     steps: int = 1000
     batch_size: int = 16                       # sequences per optimizer step, all ranks together
@@ -100,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"clip (the gradient-norm limit; inf: none) must be a positive number, got {self.clip}")
         if self.aux_loss_coef is not None and not 0 <= self.aux_loss_coef < math.inf:
             raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {self.aux_loss_coef}")
+        if self.pack_whole and not self.pack:
+            raise ValueError("pack_whole keeps packed conversations whole: it needs pack")
         check_gdn_init(self.gdn_gate_z, self.gdn_dt_max)
         self.mix_weights()
 
@@ -300,8 +303,8 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         module = nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
     autocast = torch.autocast(d.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else None
     eos = tokenizer.special_ids[EOS_TOKEN]
-    data = TokenData(cfg.data, "train", cfg.mix_weights(), eos, cfg.pack)
-    val = TokenData(cfg.data, "val", cfg.mix_weights(), eos, cfg.pack)
+    data = TokenData(cfg.data, "train", cfg.mix_weights(), eos, cfg.pack, cfg.pack_whole)
+    val = TokenData(cfg.data, "val", cfg.mix_weights(), eos, cfg.pack, cfg.pack_whole)
     block = model.config.block_size
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
