@@ -154,6 +154,29 @@ def test_trained_tokenizers_spell_every_digit_alone():
         assert [p for p in pieces if any(c.isdigit() for c in p)] == ["8", "9", "7"], pieces
 
 
+def test_isolated_spaces_spell_a_word_the_same_after_a_space_and_a_newline(tmp_path):
+    """`isolate_spaces`: a word's tokens do not depend on what stands before it (a space in prose, a newline
+    in a tool result or a call's argument), runs of spaces (indentation) are tokens of their own, any text
+    round-trips, and the choice survives save and load. The default glues the space to the word."""
+    text = "The tool returned Nimventar.\n<tool_response>\nNimventar\n</tool_response>\n    def f(x):  return x\n"
+    glued = Tokenizer.train([text] * 200, vocab_size=320, min_frequency=1)
+    tok = Tokenizer.train([text] * 200, vocab_size=320, min_frequency=1, isolate_spaces=True)
+    tok.save(tmp_path)
+    loaded = Tokenizer.load(tmp_path)
+
+    def word(t: Tokenizer, s: str) -> list[int]:
+        ids = t.encode(s)
+        pieces = [t.decode([i]) for i in ids]
+        return [i for i, p in zip(ids, pieces, strict=True) if any(c.isalpha() for c in p)]
+
+    assert word(glued, " Nimventar") != word(glued, "\nNimventar")            # the default: two spellings
+    for t in (tok, loaded):
+        assert word(t, " Nimventar") == word(t, "\nNimventar") == word(t, "(Nimventar")
+        assert [t.decode([i]) for i in t.encode("    return")] == ["    ", "return"]
+        for s in (text, "a  b\n   c\t d", "é—ü 🙂", " 897 x"):
+            assert t.decode(t.encode(s)) == s
+
+
 def test_message_text_cannot_forge_a_turn_or_insert_a_mask():
     from pathlib import Path
 

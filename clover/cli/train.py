@@ -21,6 +21,8 @@ from clover.training.trainer import TrainConfig, train
 
 def cmd_data_build(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if args.tokenizer and args.isolate_spaces:
+        raise ValueError("--isolate-spaces trains a tokenizer: it cannot apply to the one --tokenizer names")
     check_replaceable(out, "manifest.json", "a data directory")
     t0 = time.perf_counter()
     counts = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
@@ -32,7 +34,8 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     if args.tokenizer:
         tokenizer = Tokenizer.load(args.tokenizer)
     else:
-        tokenizer = Tokenizer.train(_tokenizer_texts(out, args.tokenizer_bytes), vocab_size=args.vocab_size)
+        tokenizer = Tokenizer.train(_tokenizer_texts(out, args.tokenizer_bytes), vocab_size=args.vocab_size,
+                                    isolate_spaces=args.isolate_spaces)
     tokenizer.save(tokenizer_path)
     print(f"tokenizer: {tokenizer.vocab_size} tokens ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     counts = encode_corpus(out, tokenizer)
@@ -69,6 +72,9 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--cache", default=".cache/packages", help="where downloaded source packages are kept")
     b.add_argument("--vocab-size", type=positive_int, default=8192)
     b.add_argument("--tokenizer", metavar="DIR", help="use this tokenizer instead of training one")
+    b.add_argument("--isolate-spaces", action="store_true",
+                   help="train the tokenizer with runs of spaces as tokens of their own, so that a word is spelt the "
+                        "same after a space and after a newline (more tokens per byte)")
     b.add_argument("--tokenizer-bytes", type=positive_int, default=24_000_000, help="text used to train the tokenizer")
     b.add_argument("--chat-train", type=nonnegative_int, default=20000, help="synthetic training conversations")
     b.add_argument("--chat-eval", type=nonnegative_int, default=200, help="synthetic validation and test conversations each")
