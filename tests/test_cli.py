@@ -218,6 +218,7 @@ def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, arg
     (["init", "OUT", "--override", '{"mask_token_id": 5}'], "differs from the tokenizer's"),
     (["init", "OUT", "--override", '{"eos_token_id": 5}'], "eos_token_id 5 differs from the tokenizer's"),
     (["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1"], "cannot reach"),
+    (["data", "build", "--out", "OUT", "--tokenizer", "MODEL", "--isolate-spaces"], "--isolate-spaces trains a tokenizer"),
 ])
 def test_bad_values_the_parser_cannot_see_are_one_line_errors(text_model, tmp_path, args, message, capsys):
     out = str(tmp_path / "new")
