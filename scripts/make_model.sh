@@ -21,6 +21,8 @@ OUT=${OUT:-clover/weights/clover-tiny}
 PRESET=${PRESET:-tiny-wide}   # the shape (clover/model/config.py PRESETS): the shape sweep's winner; tiny: the previous release's
 GDN_GATE_Z=${GDN_GATE_Z:-0}    # the from-scratch GDN init of the AR stage (`clover train --gdn-gate-z / --gdn-dt-max`):
 GDN_DT_MAX=${GDN_DT_MAX:-0}    # 0 and 0, the transformers-style init the shipped weights were trained from (see below)
+ISOLATE_SPACES=${ISOLATE_SPACES:-0}   # 1: the data's tokenizer spells a word the same after a space and a newline
+                                      # (`clover data build --isolate-spaces`; under measurement, session 35)
 AR_STEPS=${AR_STEPS:-1800}
 DIFF_STEPS=${DIFF_STEPS:-550}
 SFT_STEPS=${SFT_STEPS:-500}
@@ -80,7 +82,8 @@ start=$(date +%s)
 if [ ! -f "$DATA/tokens/counts.json" ]; then
   stage "data: corpus, tokenizer, token shards"
   rm -rf "$DATA"
-  timed "data build" "$BIN/clover" data build --out "$DATA" --vocab-size 8192 --chat-train 40000
+  spaces=(); if [ "$ISOLATE_SPACES" = 1 ]; then spaces=(--isolate-spaces); fi
+  timed "data build" "$BIN/clover" data build --out "$DATA" --vocab-size 8192 --chat-train 40000 "${spaces[@]}"
 fi
 stage "AR pretraining"
 # from random weights with the transformers-style GDN init (GDN_GATE_Z=0 GDN_DT_MAX=0: gates z 0, dt_bias 1), as
