@@ -182,8 +182,8 @@ class Tokenizer:
         `isolate_spaces`: every run of spaces is a pre-token of its own, so that a word is spelt the same
         after a space as after a newline or a bracket (GPT-2's pre-tokenizer, the default, glues the space
         to the word: ` Nim`+`ventar` in prose, `Nim`+`ventar` on a line of a tool result or a call's
-        argument). Words then cost a token more in prose: on clover-tiny's data 1.28x the tokens of code,
-        1.40x of English and 1.20x of chat (docs/measurements.md, session 35)."""
+        argument). Words then cost a token more in prose: on clover-tiny's data 1.30x the tokens of code,
+        1.47x of English and 1.20x of chat (docs/measurements.md, session 35)."""
         smallest = 256 + len(SPECIAL_TOKENS)   # every byte, then the special tokens
         if not isinstance(vocab_size, int) or not smallest <= vocab_size <= 1 << 20:
             raise TokenizerError(f"vocab_size must be an integer in [{smallest}, {1 << 20}] (every byte and the "
