@@ -22,7 +22,8 @@ PRESET=${PRESET:-tiny-wide}   # the shape (clover/model/config.py PRESETS): the 
 GDN_GATE_Z=${GDN_GATE_Z:-0}    # the from-scratch GDN init of the AR stage (`clover train --gdn-gate-z / --gdn-dt-max`):
 GDN_DT_MAX=${GDN_DT_MAX:-0}    # 0 and 0, the transformers-style init the shipped weights were trained from (see below)
 ISOLATE_SPACES=${ISOLATE_SPACES:-0}   # 1: the data's tokenizer spells a word the same after a space and a newline
-                                      # (`clover data build --isolate-spaces`; under measurement, session 35)
+                                      # (`clover data build --isolate-spaces`; its one run, session 35, did not
+                                      # learn to copy digits: docs/measurements.md)
 AR_STEPS=${AR_STEPS:-1800}
 DIFF_STEPS=${DIFF_STEPS:-550}
 SFT_STEPS=${SFT_STEPS:-500}
