@@ -32,6 +32,10 @@ SFT2_STEPS=${SFT2_STEPS:-500}
 SFT3_STEPS=${SFT3_STEPS:-500}
 SFT4_STEPS=${SFT4_STEPS:-500}
 SFT5_STEPS=${SFT5_STEPS:-600}
+AR_SEQ=${AR_SEQ:-512}       # rows of AR pretraining and block-diffusion adaptation: AR_BATCH x AR_SEQ tokens
+AR_BATCH=${AR_BATCH:-8}
+SFT_SEQ=${SFT_SEQ:-1024}    # rows of the SFT and distillation stages: SFT_BATCH x SFT_SEQ tokens
+SFT_BATCH=${SFT_BATCH:-4}
 DISTILL_CHAT=${DISTILL_CHAT:-1500}
 DISTILL_CODE=${DISTILL_CODE:-300}
 MIX=code=0.45,english=0.25,chat=0.3
@@ -93,13 +97,13 @@ stage "AR pretraining"
 # 0.102 of the validation agent turns (sessions 30-32); this init rebuilt one at 0.290 / 0.222 against the
 # shipped 0.288 / 0.237 (session 34)
 train "$RUNS/ar" --data "$DATA" --init "preset:$PRESET" --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX" \
-  --objective ar --steps "$AR_STEPS" --batch-size 8 --seq-len 512 --lr 3e-3 --warmup 100 --mix "$MIX" --pack \
+  --objective ar --steps "$AR_STEPS" --batch-size "$AR_BATCH" --seq-len "$AR_SEQ" --lr 3e-3 --warmup 100 --mix "$MIX" --pack \
   --eval-every 300 --save-every 50
 stage "convert the AR parent into a block-diffusion model"
 [ -f "$RUNS/diff-init/config.json" ] || timed convert "$BIN/clover" convert "$RUNS/ar/model" "$RUNS/diff-init"
 stage "block-diffusion adaptation"
 train "$RUNS/diff" --data "$DATA" --init "$RUNS/diff-init" --objective diffusion --ar-loss-weight 1.0 \
-  --steps "$DIFF_STEPS" --batch-size 8 --seq-len 512 --lr 1e-3 --warmup 50 --mix "$MIX" --pack --eval-every 350 \
+  --steps "$DIFF_STEPS" --batch-size "$AR_BATCH" --seq-len "$AR_SEQ" --lr 1e-3 --warmup 50 --mix "$MIX" --pack --eval-every 350 \
   --save-every 25
 # sft_round SUFFIX INIT SEED STEPS LR MIX: chat/agent SFT from INIT, then self-distillation: the SFT model's
 # greedy ar replies and code continuations become the targets of the noisy stream (its own outputs, so the
@@ -108,7 +112,7 @@ sft_round() {
   local sfx=$1 init=$2 seed=$3 steps=$4 lr=$5 mix=$6
   stage "chat and agent SFT$sfx"
   train "$RUNS/sft$sfx" --data "$DATA" --init "$init" --objective diffusion --sft --ar-loss-weight 1.0 \
-    --steps "$steps" --batch-size 4 --seq-len 1024 --lr "$lr" --warmup 30 --mix "$mix" --pack --eval-every 200 \
+    --steps "$steps" --batch-size "$SFT_BATCH" --seq-len "$SFT_SEQ" --lr "$lr" --warmup 30 --mix "$mix" --pack --eval-every 200 \
     --save-every 25 --seed "$seed"
   stage "self-distillation data$sfx: the SFT model's greedy ar replies and code continuations"
   [ -f "$RUNS/distill-data$sfx/tokens/counts.json" ] || timed "data distill$sfx" "$BIN/clover" data distill \
@@ -116,7 +120,7 @@ sft_round() {
     --code "$DISTILL_CODE" --seed "$seed"
   stage "self-distillation$sfx"
   train "$RUNS/distill$sfx" --data "$RUNS/distill-data$sfx" --init "$RUNS/sft$sfx/model" --objective diffusion \
-    --sft --ar-loss-weight 1.0 --steps "$DISTILL_STEPS" --batch-size 4 --seq-len 1024 --lr 3e-4 --warmup 20 \
+    --sft --ar-loss-weight 1.0 --steps "$DISTILL_STEPS" --batch-size "$SFT_BATCH" --seq-len "$SFT_SEQ" --lr 3e-4 --warmup 20 \
     --mix chat=0.6,code=0.3,english=0.1 --pack --eval-every 150 --save-every 25 --seed "$seed"
 }
 sft_round "" "$RUNS/diff/model" 0 "$SFT_STEPS" 5e-4 "$SFT_MIX"
@@ -128,18 +132,18 @@ sft_round 2 "$RUNS/distill/model" 1 "$SFT2_STEPS" 3e-4 "$SFT2_MIX"
 # them (it would teach the model its own outputs, tool names it should have copied included)
 stage "chat and agent SFT3"
 train "$RUNS/sft3" --data "$DATA" --init "$RUNS/distill2/model" --objective diffusion --sft --ar-loss-weight 1.0 \
-  --steps "$SFT3_STEPS" --batch-size 4 --seq-len 1024 --lr 3e-4 --warmup 30 --mix "$SFT2_MIX" --pack --save-every 25 \
+  --steps "$SFT3_STEPS" --batch-size "$SFT_BATCH" --seq-len "$SFT_SEQ" --lr 3e-4 --warmup 30 --mix "$SFT2_MIX" --pack --save-every 25 \
   --seed 2
 stage "SFT4: agent chats with recall drills"
 train "$RUNS/sft4" --data "$DATA" --init "$RUNS/sft3/model" --objective diffusion --sft --ar-loss-weight 1.0 \
-  --steps "$SFT4_STEPS" --batch-size 4 --seq-len 1024 --lr 3e-4 --warmup 30 --mix "$SFT4_MIX" --pack --save-every 25 \
+  --steps "$SFT4_STEPS" --batch-size "$SFT_BATCH" --seq-len "$SFT_SEQ" --lr 3e-4 --warmup 30 --mix "$SFT4_MIX" --pack --save-every 25 \
   --seed 3
 # more recall drills (35%), the code share kept at 15% (with 10% code, the run named sft5 in
 # docs/measurements.md lost 2.1% code bits per byte). The shipped sft5 stage (sft6 there) started from the
 # bf16 release of sft4; this script starts it from the fp32 sft4 checkpoint.
 stage "SFT5: agent chats with more recall drills"
 train "$RUNS/sft5" --data "$DATA" --init "$RUNS/sft4/model" --objective diffusion --sft --ar-loss-weight 1.0 \
-  --steps "$SFT5_STEPS" --batch-size 4 --seq-len 1024 --lr 3e-4 --warmup 30 --mix "$SFT5_MIX" --pack --save-every 25 \
+  --steps "$SFT5_STEPS" --batch-size "$SFT_BATCH" --seq-len "$SFT_SEQ" --lr 3e-4 --warmup 30 --mix "$SFT5_MIX" --pack --save-every 25 \
   --seed 5
 stage "release to $OUT (bfloat16)"
 "$BIN/python" - "$RUNS/sft5/model" "$OUT" <<'PY'
