@@ -36,6 +36,8 @@ AR_SEQ=${AR_SEQ:-512}       # rows of AR pretraining and block-diffusion adaptat
 AR_BATCH=${AR_BATCH:-8}
 SFT_SEQ=${SFT_SEQ:-1024}    # rows of the SFT and distillation stages: SFT_BATCH x SFT_SEQ tokens
 SFT_BATCH=${SFT_BATCH:-4}
+LAYOUT=${LAYOUT:-}          # the layers' mixers, one letter each (L: Gated DeltaNet, F: full attention), e.g. LFLF;
+                            # empty: the preset's (tiny-wide: LLLF)
 DISTILL_CHAT=${DISTILL_CHAT:-1500}
 DISTILL_CODE=${DISTILL_CODE:-300}
 MIX=code=0.45,english=0.25,chat=0.3
@@ -96,7 +98,18 @@ stage "AR pretraining"
 # steps, docs/measurements.md, sessions 23-24) built a release that copied numbers worse and answered 0.116 /
 # 0.102 of the validation agent turns (sessions 30-32); this init rebuilt one at 0.290 / 0.222 against the
 # shipped 0.288 / 0.237 (session 34)
-train "$RUNS/ar" --data "$DATA" --init "preset:$PRESET" --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX" \
+init=(--init "preset:$PRESET" --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX")
+if [ -n "$LAYOUT" ]; then   # random weights of the preset with other mixers (`clover init --override`), seed 0
+  [[ "$LAYOUT" =~ ^[LF]+$ ]] || { echo "LAYOUT=$LAYOUT: one letter per layer, L or F" >&2; exit 2; }
+  if [ ! -f "$RUNS/init/config.json" ]; then
+    override=$("$BIN/python" -c 'import json, sys; t = {"L": "linear_attention", "F": "full_attention"}
+print(json.dumps({"num_hidden_layers": len(sys.argv[1]), "layer_types": [t[c] for c in sys.argv[1]]}))' "$LAYOUT")
+    "$BIN/clover" init "$RUNS/init" --preset "$PRESET" --override "$override" --tokenizer "$DATA/tokenizer" --seed 0 \
+      --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX"
+  fi
+  init=(--init "$RUNS/init")
+fi
+train "$RUNS/ar" --data "$DATA" "${init[@]}" \
   --objective ar --steps "$AR_STEPS" --batch-size "$AR_BATCH" --seq-len "$AR_SEQ" --lr 3e-3 --warmup 100 --mix "$MIX" --pack \
   --eval-every 300 --save-every 50
 stage "convert the AR parent into a block-diffusion model"
