@@ -230,6 +230,7 @@ def test_the_batchs_plain_argmax_equals_the_pick_one_by_one_and_leaves_the_rest_
     logits[0, mask] = 50.0                  # the mask token is never picked
     logits[1, 5] = logits[1, 7] = 40.0      # equal maxima: the first
     logits[8, 3] = math.nan                 # not finite: left to the one-by-one pick
+    logits[7, mask] = math.nan              # NaN at the mask token only: masked out, the row is still plain
     plain = SamplingParams(max_new_tokens=8)
     params = [plain, plain, plain.with_(presence_penalty=0.5), plain.with_(logit_bias=((4, 2.0),)),
               plain.with_(min_tokens=3), plain.with_(logprobs=2), plain.with_(temperature=0.7, seed=1), plain.with_(min_tokens=2), plain, plain]

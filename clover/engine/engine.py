@@ -414,7 +414,16 @@ class Engine:
         plain = [i for i, s in enumerate(seqs) if self.plain_greedy(s) and not (several and s.pending is not None)]
         picks: list[int | list[int] | None] = [None] * len(seqs)
         if plain:
-            best, tokens = self.mask_out(logits[plain], copied=True).max(dim=-1)
+            rows = logits if len(plain) == len(seqs) else logits[plain]
+            best, tokens = rows.max(dim=-1)
+            # the mask token is never an output: where it won, or where a maximum is not finite (which
+            # masking it may change), the argmax again without it; elsewhere that is this argmax, with no
+            # copy of the logits (a check's [N, T, V] at every step)
+            redo = (tokens == self.config.mask_token_id) | ~torch.isfinite(best)
+            if bool(redo.any()):
+                again = redo.nonzero(as_tuple=True)
+                best, tokens = best.float(), tokens.clone()
+                best[again], tokens[again] = self.mask_out(rows[again], copied=True).max(dim=-1)
             finite = torch.isfinite(best)
             if several:
                 finite = finite.all(dim=-1)
