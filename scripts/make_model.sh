@@ -101,13 +101,13 @@ stage "AR pretraining"
 init=(--init "preset:$PRESET" --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX")
 if [ -n "$LAYOUT" ]; then   # random weights of the preset with other mixers (`clover init --override`), seed 0
   [[ "$LAYOUT" =~ ^[LF]+$ ]] || { echo "LAYOUT=$LAYOUT: one letter per layer, L or F" >&2; exit 2; }
-  if [ ! -f "$RUNS/init/config.json" ]; then
+  if [ ! -f "$RUNS/init-$LAYOUT/config.json" ]; then
     override=$("$BIN/python" -c 'import json, sys; t = {"L": "linear_attention", "F": "full_attention"}
 print(json.dumps({"num_hidden_layers": len(sys.argv[1]), "layer_types": [t[c] for c in sys.argv[1]]}))' "$LAYOUT")
-    "$BIN/clover" init "$RUNS/init" --preset "$PRESET" --override "$override" --tokenizer "$DATA/tokenizer" --seed 0 \
+    "$BIN/clover" init "$RUNS/init-$LAYOUT" --preset "$PRESET" --override "$override" --tokenizer "$DATA/tokenizer" --seed 0 \
       --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX"
   fi
-  init=(--init "$RUNS/init")
+  init=(--init "$RUNS/init-$LAYOUT")
 fi
 train "$RUNS/ar" --data "$DATA" "${init[@]}" \
   --objective ar --steps "$AR_STEPS" --batch-size "$AR_BATCH" --seq-len "$AR_SEQ" --lr 3e-3 --warmup 100 --mix "$MIX" --pack \

@@ -251,6 +251,10 @@ def test_the_batchs_plain_argmax_equals_the_pick_one_by_one_and_leaves_the_rest_
     assert rows[0] is None and rows[2:7] == [None] * 5 and rows[8] is None and rows[9] is None
     assert rows[1] == [5, picks[0], int(engine.mask_out(logits[9]).argmax())]
     assert rows[7] == [picks[7], int(engine.mask_out(logits[6]).argmax()), int(engine.mask_out(logits[5]).argmax())]
+    # bfloat16 logits (a model decoding in bf16), the mask token winning a row: the same picks
+    half = several.bfloat16()
+    assert engine.greedy_picks(seqs, half)[1] == [int(engine.mask_out(half[1, t]).argmax()) for t in range(3)]
+    assert engine.greedy_picks(seqs, half[:, 0])[0] == int(engine.mask_out(half[0, 0]).argmax())
 
 
 def test_the_batchs_confident_picks_equal_pick_tokens_slot_by_slot():

@@ -422,7 +422,7 @@ class Engine:
             redo = (tokens == self.config.mask_token_id) | ~torch.isfinite(best)
             if bool(redo.any()):
                 again = redo.nonzero(as_tuple=True)
-                best, tokens = best.float(), tokens.clone()
+                best = best.float()            # (bfloat16 logits: mask_out's are float32)
                 best[again], tokens[again] = self.mask_out(rows[again], copied=True).max(dim=-1)
             finite = torch.isfinite(best)
             if several:
