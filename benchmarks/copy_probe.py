@@ -25,11 +25,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from clover.model.config import CloverConfig
+from clover.model.config import CloverConfig, layer_types_of
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.training.trainer import TrainConfig
-
-LETTERS = {"L": "linear_attention", "F": "full_attention"}
 
 
 def copy_rows(batch: int, length: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -49,7 +47,7 @@ def row_losses(model: CloverForCausalLM, ids: torch.Tensor) -> tuple[torch.Tenso
 
 
 def probe(layout: str, seed: int, args: argparse.Namespace) -> dict:
-    cfg = CloverConfig.preset(args.preset, layer_types=[LETTERS[c] for c in layout], num_hidden_layers=len(layout))
+    cfg = CloverConfig.preset(args.preset, layer_types=layer_types_of(layout), num_hidden_layers=len(layout))
     if 100 + args.vocab > cfg.vocab_size:
         raise SystemExit(f"--vocab {args.vocab} does not fit the preset's vocabulary ({cfg.vocab_size})")
     model = CloverForCausalLM.from_scratch(cfg, seed, args.gdn_gate_z, args.gdn_dt_max)
@@ -109,8 +107,10 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     layouts, seeds = args.layouts.split(","), [int(s) for s in args.seeds.split(",")]
     for layout in layouts:   # all checked before the first one trains
-        if not layout or set(layout) - set(LETTERS):
-            raise SystemExit(f"layout {layout!r}: letters must be L (Gated DeltaNet) or F (full attention)")
+        try:
+            layer_types_of(layout)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     results = [probe(layout, seed, args) for layout in layouts for seed in seeds]
     print(f"\n| layout | seeds passing {args.pass_at:.0%} copy accuracy | step it passed, per seed | final accuracy, per seed "
           f"| tokens/s |")

@@ -99,14 +99,9 @@ stage "AR pretraining"
 # 0.102 of the validation agent turns (sessions 30-32); this init rebuilt one at 0.290 / 0.222 against the
 # shipped 0.288 / 0.237 (session 34)
 init=(--init "preset:$PRESET" --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX")
-if [ -n "$LAYOUT" ]; then   # random weights of the preset with other mixers (`clover init --override`), seed 0
-  [[ "$LAYOUT" =~ ^[LF]+$ ]] || { echo "LAYOUT=$LAYOUT: one letter per layer, L or F" >&2; exit 2; }
-  if [ ! -f "$RUNS/init-$LAYOUT/config.json" ]; then
-    override=$("$BIN/python" -c 'import json, sys; t = {"L": "linear_attention", "F": "full_attention"}
-print(json.dumps({"num_hidden_layers": len(sys.argv[1]), "layer_types": [t[c] for c in sys.argv[1]]}))' "$LAYOUT")
-    "$BIN/clover" init "$RUNS/init-$LAYOUT" --preset "$PRESET" --override "$override" --tokenizer "$DATA/tokenizer" --seed 0 \
-      --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX"
-  fi
+if [ -n "$LAYOUT" ]; then   # random weights of the preset with other mixers (`clover init --layout`), seed 0
+  [ -f "$RUNS/init-$LAYOUT/config.json" ] || "$BIN/clover" init "$RUNS/init-$LAYOUT" --preset "$PRESET" --layout "$LAYOUT" \
+    --tokenizer "$DATA/tokenizer" --seed 0 --gdn-gate-z "$GDN_GATE_Z" --gdn-dt-max "$GDN_DT_MAX"
   init=(--init "$RUNS/init-$LAYOUT")
 fi
 train "$RUNS/ar" --data "$DATA" "${init[@]}" \

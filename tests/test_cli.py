@@ -25,6 +25,17 @@ def test_init_info_check(tmp_path, capsys):
     assert report["ok"] and report["errors"]["noisy_stream_vs_preview"] < 1e-5
 
 
+def test_init_layout_sets_each_layers_mixer(tmp_path, capsys):
+    """`clover init --layout LFLF`: one letter per layer, the layer count following the layout."""
+    d = str(tmp_path / "m")
+    assert cli_main(["init", d, "--preset", "debug", "--layout", "FLLFF", "--no-tokenizer"]) == 0
+    capsys.readouterr()
+    assert cli_main(["info", d]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert config["num_hidden_layers"] == 5 and config["layer_types"] == [
+        "full_attention", "linear_attention", "linear_attention", "full_attention", "full_attention"]
+
+
 def test_check_fails_when_preview_breaks_the_invariant(tmp_path, capsys, monkeypatch):
     d = str(tmp_path / "m")
     cli_main(["init", d, "--preset", "debug"])
@@ -189,6 +200,8 @@ def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monke
     (["check", "MODEL", "--blocks", "-1"], "argument --blocks"),
     (["init", "/nonexistent/x", "--override", "[1]"], "argument --override: must be a JSON object"),
     (["init", "/nonexistent/x", "--override", '{"rms_norm_eps": NaN}'], "NaN is not"),
+    (["init", "/nonexistent/x", "--layout", "LXF"], "argument --layout: layout 'LXF': one letter per layer"),
+    (["init", "/nonexistent/x", "--layout", ""], "argument --layout: layout '': one letter per layer"),
     (["data", "build", "--out", "/nonexistent/x", "--vocab-size", "-5"], "argument --vocab-size"),
     (["data", "build", "--out", "/nonexistent/x", "--chat-train", "-5"], "argument --chat-train: must be 0 or more"),
     (["eval", "bpb", "--data", "d", "--window", "-1"], "argument --window"),
@@ -215,6 +228,7 @@ def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, arg
     (["generate", "hi", "--model", ""], "the model directory is empty"),
     (["init", "OUT", "--override", '{"layer_types": 3}'], "layer_types must be a list"),
     (["init", "OUT", "--override", '{"nope": 3}'], "unknown config field(s) ['nope']"),
+    (["init", "OUT", "--layout", "LF", "--override", '{"num_hidden_layers": 4}'], "drop them from --override"),
     (["init", "OUT", "--override", '{"mask_token_id": 5}'], "differs from the tokenizer's"),
     (["init", "OUT", "--override", '{"eos_token_id": 5}'], "eos_token_id 5 differs from the tokenizer's"),
     (["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1"], "cannot reach"),

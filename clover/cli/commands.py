@@ -25,7 +25,7 @@ from pathlib import Path
 
 from clover.cli.evaluate import add_bench_parser, add_eval_parser
 from clover.cli.generate import add_chat_parser, add_generate_parser, add_serve_parser
-from clover.cli.options import json_object, positive_int
+from clover.cli.options import json_object, layout, positive_int
 from clover.cli.train import add_data_parser, add_plot_parser, add_train_parser
 from clover.model.chat import ChatFormatError
 from clover.model.checkpoint import (
@@ -54,6 +54,10 @@ def cmd_init(args: argparse.Namespace) -> int:
     check_checkpoint_target(args.directory)
     check_gdn_init(args.gdn_gate_z, args.gdn_dt_max)   # before a tokenizer is trained
     overrides = args.override or {}
+    if args.layout:
+        if {"layer_types", "num_hidden_layers"} & set(overrides):
+            raise ValueError("--layout sets layer_types and num_hidden_layers: drop them from --override")
+        overrides = {**overrides, "layer_types": args.layout, "num_hidden_layers": len(args.layout)}
     config = CloverConfig.preset(args.preset, **overrides)
     total, _ = config.num_parameters()
     if total > 2e9 and not args.force:
@@ -155,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("directory")
     p.add_argument("--preset", default="debug", choices=sorted(PRESETS))
     p.add_argument("--override", type=json_object, help='JSON object of config fields to change, e.g. \'{"block_size": 16}\'')
+    p.add_argument("--layout", type=layout, help="the layers' mixers, one letter per layer: L Gated DeltaNet, "
+                                                 "F full attention (e.g. LFLF; default: the preset's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     # the GDN init options and their defaults are `clover train --init preset:NAME`'s (TrainConfig)

@@ -34,6 +34,15 @@ def port(text: str) -> int:
     return _number(text, int, lambda v: 1 <= v <= 65535, "a TCP port in [1, 65535]")
 
 
+def layout(text: str) -> list[str]:
+    """Layer types from a layout such as LFLF (`layer_types_of`), else a usage error."""
+    from clover.model.config import layer_types_of
+    try:
+        return layer_types_of(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def finite_float(text: str) -> float:
     return _number(text, float, math.isfinite, "a finite number")
 

@@ -58,6 +58,16 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+LAYOUT_LETTERS = {"L": "linear_attention", "F": "full_attention"}   # a layout: one letter per layer, e.g. LLLF
+
+
+def layer_types_of(layout: str) -> list[str]:
+    """The layer types a layout names, one letter per layer: L Gated DeltaNet, F full attention (LFLF)."""
+    if not layout or set(layout) - set(LAYOUT_LETTERS):
+        raise ValueError(f"layout {layout!r}: one letter per layer, L (Gated DeltaNet) or F (full attention)")
+    return [LAYOUT_LETTERS[c] for c in layout]
+
+
 def default_layer_types(num_layers: int, interval: int = 4) -> list[str]:
     """Every `interval`-th layer (index % interval == interval - 1) is full attention, the rest GDN."""
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
