@@ -419,12 +419,13 @@ class Engine:
             # the mask token is never an output: where it won, or where a maximum is not finite (which
             # masking it may change), the argmax again without it; elsewhere that is this argmax, with no
             # copy of the logits (a check's [N, T, V] at every step)
-            redo = (tokens == self.config.mask_token_id) | ~torch.isfinite(best)
+            finite = torch.isfinite(best)
+            redo = (tokens == self.config.mask_token_id) | ~finite
             if bool(redo.any()):
                 again = redo.nonzero(as_tuple=True)
                 best = best.float()            # (bfloat16 logits: mask_out's are float32)
                 best[again], tokens[again] = self.mask_out(rows[again], copied=True).max(dim=-1)
-            finite = torch.isfinite(best)
+                finite = torch.isfinite(best)
             if several:
                 finite = finite.all(dim=-1)
             for i, t, ok in zip(plain, tokens.tolist(), finite.tolist(), strict=True):
