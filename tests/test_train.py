@@ -339,6 +339,38 @@ def test_recall_drills_are_seeded_per_split_and_copy_what_they_state(data_dir):
     assert len(tokens) > 0 and TokenData(data_dir, "val", {"recall": 1.0}, 0).batch(0, 0, 2, 16).ids.shape == (2, 16)
 
 
+def test_crossing_drills_restate_each_value_in_the_other_spelling(monkeypatch):
+    import itertools
+    import random
+    import re
+    made = (f"Qv{i}x" for i in itertools.count())   # values that occur in no key or form
+    monkeypatch.setattr(recall_data, "_spelt", lambda rng: next(made))
+
+    def spellings(v: str, block: str) -> set[str]:
+        return ({"line"} if re.search(rf"(^|\n){v}(\n|$)", block) else set()) | ({"space"} if " " + v in block else set())
+    rng, crossed = random.Random(0), 0
+    for _ in range(200):
+        stated, _, asked = recall_data.crossing(rng).partition("\n\n")
+        for v in set(re.findall(r"Qv\d+x", asked)):
+            before, after = spellings(v, stated), spellings(v, asked)
+            assert len(before) == len(after) == 1 and before != after, (stated, asked)
+            crossed += 1
+    assert crossed > 200
+    monkeypatch.undo()
+    docs = list(recall_data.documents("val", 40, crossing_share=1.0))
+    assert len(docs) == 40 and docs != list(recall_data.documents("val", 40))
+    with pytest.raises(ValueError, match="crossing_share"):
+        next(recall_data.documents("val", 1, crossing_share=1.5))
+
+
+def test_recall_documents_at_no_crossing_are_those_of_before():
+    import hashlib
+    # sha256 of the first 50 validation documents as written before crossing drills existed (session 37): the
+    # default data, and the recipe's, must not drift when an option is added
+    text = "".join(recall_data.documents("val", 50, crossing_share=0.0))
+    assert hashlib.sha256(text.encode()).hexdigest() == "6c869b410eb65a138ff2dac25b00e813d579854b5f40947f7d6809a5603d6099"
+
+
 def _key_value(line: str) -> tuple[str, str]:
     for sep in (": ", " = ", " -> ", "\t"):
         if sep in line:

@@ -27,7 +27,8 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     counts = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
     recall = {"train": args.recall_train, "val": args.recall_eval, "test": args.recall_eval}
-    manifest = build_corpus(out, args.cache, counts, recall, coin_values=args.coin_values)
+    manifest = build_corpus(out, args.cache, counts, recall, coin_values=args.coin_values,
+                            recall_crossing=args.recall_crossing)
     print(f"corpus: {sum(s.get('train', {}).get('documents', 0) for s in manifest['sources'].values())} training "
           f"documents from {len(manifest['sources'])} sources ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     tokenizer_path = out / "tokenizer"
@@ -83,6 +84,9 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
                         "are invented words rather than the harness's 27 (default 0)")
     b.add_argument("--recall-train", type=nonnegative_int, default=20000, help="recall drill documents for training")
     b.add_argument("--recall-eval", type=nonnegative_int, default=500, help="recall drill documents for validation and test each")
+    b.add_argument("--recall-crossing", type=float, default=0.0, metavar="SHARE",
+                   help="share of recall drills that restate each value in the other spelling: stated on a line of "
+                        "its own and quoted after a space, or the other way round (default 0)")
     b.set_defaults(func=cmd_data_build)
     d = dsub.add_parser(
         "distill", help="self-distillation data: the model's greedy ar replies and continuations as targets",

@@ -99,10 +99,13 @@ def documents(cache: Path) -> Iterator[Document]:
 
 
 def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int] | None = None,
-                 recall_counts: dict[str, int] | None = None, coin_values: float = 0.0) -> dict:
+                 recall_counts: dict[str, int] | None = None, coin_values: float = 0.0,
+                 recall_crossing: float = 0.0) -> dict:
     """Write raw/{split}/{kind}.jsonl and manifest.json (documents, bytes and licence per source and split);
-    `coin_values`: `agent_data.make_training_task`'s share of conversations whose values to copy are invented."""
+    `coin_values`: `agent_data.make_training_task`'s share of conversations whose values to copy are invented;
+    `recall_crossing`: `recall_data.drill`'s share of drills that restate values in the other spelling."""
     agent_data.check_share("coin_values", coin_values)
+    agent_data.check_share("recall_crossing", recall_crossing)
     out, cache = Path(out), Path(cache)
     chat_counts = chat_counts or {"train": 20000, "val": 200, "test": 200}
     recall_counts = recall_counts or {"train": 20000, "val": 500, "test": 500}
@@ -131,8 +134,9 @@ def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int]
         for split, count in recall_counts.items():
             s = stats.setdefault("synthetic-recall", {"kind": "recall", "licence": LICENCES["synthetic-recall"]})
             s[split] = {"documents": 0, "bytes": 0, "seeds": [synthetic.SPLIT_SEEDS[split],
-                                                               synthetic.SPLIT_SEEDS[split] + count - 1]}
-            for i, text in enumerate(recall_data.documents(split, count)):
+                                                               synthetic.SPLIT_SEEDS[split] + count - 1],
+                         "crossing": recall_crossing}
+            for i, text in enumerate(recall_data.documents(split, count, recall_crossing)):
                 files[split, "recall"].write(json.dumps({"source": "synthetic-recall", "name": str(i), "text": text})
                                              + "\n")
                 s[split]["documents"] += 1

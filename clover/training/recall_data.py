@@ -151,17 +151,64 @@ def sequence(rng: random.Random) -> str:
 
 FORMATS: tuple[Callable[[random.Random], str], ...] = (table, code, record, sentences, sequence)
 
+# Crossing drills. The byte-level tokenizer glues a space to the word after it, so a value spelt on a line of its
+# own (`\nOthru`: `Oth`+`ru`, a tool's answer, a call's argument) and after a space (` Oth`+`ru`, a sentence that
+# quotes it) starts with different tokens, and copying it from one place to the other cannot write back the
+# token it attended to. The other formats restate values in the spelling they were stated in; these cross it.
+_ONSETS = ("b c d f g h j k l m n p r s t v w z br dr gr kr pl st th sh ch qu").split()
+_VOWELS = ("a e i o u a e o ai ou ei").split()
+_CODAS = ("", "", "", "n", "r", "s", "l", "th", "x", "m")
 
-def drill(seed: int) -> str:
-    """One document: 2-5 drills of random formats, blank lines between."""
+
+def wide_name(rng: random.Random) -> str:
+    """A made-up name from a wide syllable inventory (1,792 syllables), capitalised or not."""
+    name = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randint(2, 3)))
+    return name.capitalize() if rng.random() < 0.6 else name
+
+
+def _spelt(rng: random.Random) -> str:
+    """A value that starts with a letter: the kind whose first token differs between the two spellings."""
+    word = rng.choice(WORDS)
+    return rng.choice((lambda: made_up_name(rng), lambda: wide_name(rng), lambda: wide_name(rng), lambda: word,
+                       lambda: word.capitalize(), lambda: f"{word}{rng.randint(1, 99)}",
+                       lambda: f"{word}-{rng.randint(1, 9)}", lambda: f"{word[:3].upper()}-{rng.randint(100, 9999)}",
+                       lambda: " ".join(rng.sample(WORDS, rng.randint(2, 3))), lambda: _ident(rng)))()
+
+
+_ON_A_LINE = ("{k}:\n{v}", "<{k}>\n{v}\n</{k}>", "[{k}]\n{v}", "{k}\n{v}", "<tool_response>\n{v}\n</tool_response>",
+              "<parameter={k}>\n{v}\n</parameter>")
+_AFTER_A_SPACE = ("The {k} is {v}.", "It answered {v}.", "So {k} = {v}", "Result for {k}: {v}", "{k} was {v}, as stated.",
+                  "Use {v} as the {k}.", "What is the {k} of {v}?", "I need {v} for {k}.")
+
+
+def crossing(rng: random.Random) -> str:
+    """Values stated in one spelling and restated in the other: each on a line of its own, then quoted after a
+    space, or the other way round (a user names it in a sentence, a call writes it on its own line)."""
+    items = list(zip(_keys(rng, rng.randint(1, 4)), [_spelt(rng) for _ in range(4)], strict=False))
+    forms = (_ON_A_LINE, _AFTER_A_SPACE) if rng.random() < 0.5 else (_AFTER_A_SPACE, _ON_A_LINE)
+    stated, asked = rng.choice(forms[0]), rng.choice(forms[1])
+    return "\n".join([stated.format(k=k, v=v) for k, v in items] + [""]
+                     + [asked.format(k=k, v=v) for k, v in _queries(rng, items)])
+
+
+def drill(seed: int, crossing_share: float = 0.0) -> str:
+    """One document: 2-5 drills of random formats, blank lines between; each drill a crossing drill with
+    probability `crossing_share` (at 0 no draw is made: the documents are those written before it existed)."""
     rng = random.Random(seed)
-    return "\n\n".join(rng.choice(FORMATS)(rng) for _ in range(rng.randint(2, 5))) + "\n"
+
+    def one() -> str:
+        if crossing_share > 0 and rng.random() < crossing_share:
+            return crossing(rng)
+        return rng.choice(FORMATS)(rng)
+    return "\n\n".join(one() for _ in range(rng.randint(2, 5))) + "\n"
 
 
-def documents(split: str, count: int) -> Iterator[str]:
-    """`count` drill documents of `split`, from its own seed range."""
+def documents(split: str, count: int, crossing_share: float = 0.0) -> Iterator[str]:
+    """`count` drill documents of `split`, from its own seed range; `crossing_share`: see `drill`."""
     if split not in SPLIT_SEEDS:
         raise ValueError(f"unknown split {split!r}; choose from {list(SPLIT_SEEDS)}")
+    if not 0 <= crossing_share <= 1:
+        raise ValueError(f"crossing_share must be a share between 0 and 1, got {crossing_share!r}")
     base = SPLIT_SEEDS[split]
     for i in range(count):
-        yield drill(base + i)
+        yield drill(base + i, crossing_share)
