@@ -151,6 +151,65 @@ def test_certainty_weight_reaches_the_trainer_and_its_log(data_dir, tmp_path):
     assert json.loads((run / "train_config.json").read_text())["certainty_weight"] == 1.0
 
 
+def test_twin_coupling_reaches_the_trainer(data_dir, tmp_path):
+    """One step with and without the coupling (no clipping, so the other gradients are the same): only paired
+    rows of the embedding and the LM head differ."""
+    from clover.model.checkpoint import load_checkpoint
+    models = {}
+    for alpha in (0.0, 1.0):
+        train(_cfg(data_dir, tmp_path / str(alpha), steps=1, clip=math.inf, twin_coupling=alpha))
+        models[alpha] = load_checkpoint(tmp_path / str(alpha) / "model", dtype="float32").state_dict()
+    paired = torch.zeros(models[0.0]["lm_head.weight"].shape[0], dtype=torch.bool)
+    paired[torch.tensor(Tokenizer.load(data_dir / "tokenizer").space_twins()).flatten()] = True
+    for name, before in models[0.0].items():
+        differs = (before != models[1.0][name]).reshape(max(before.dim() and before.shape[0], 1), -1).any(1)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert differs[paired].any() and not differs[~paired].any(), name
+        else:
+            assert not differs.any(), name
+    assert json.loads((tmp_path / "1.0" / "train_config.json").read_text())["twin_coupling"] == 1.0
+
+
+def test_space_twins_pair_tokens_one_leading_space_apart(data_dir):
+    tok = Tokenizer.load(data_dir / "tokenizer")
+    pairs = tok.space_twins()
+    assert len(pairs) > 20 and len({a for a, _ in pairs}) == len(pairs)
+    for spaced, bare in pairs:
+        assert tok.decode([spaced]) == " " + tok.decode([bare]) and not tok.decode([bare])[0].isspace()
+    whole = [w for w in ("the", "def", "self", "return", "in", "if", "of", "and") if len(tok.encode(w)) == 1 == len(
+        tok.encode(" " + w))]
+    assert whole and all((tok.encode(" " + w)[0], tok.encode(w)[0]) in pairs for w in whole)
+
+
+def test_twin_coupling_trains_a_shared_part_per_pair(data_dir, tmp_path):
+    """One plain gradient step with the coupling equals one on `row = own + shared[pair]` (the shared parts
+    starting at zero): for both the embedding and the LM head, paired rows move by their own gradient plus the
+    pair's summed gradient, the other rows by their own."""
+    from clover.training.trainer import couple_twins
+    tok = Tokenizer.load(data_dir / "tokenizer")
+    pairs = torch.tensor(tok.space_twins())
+    model = CloverForCausalLM(CloverConfig.preset("debug", mask_token_id=tok.mask_token_id, vocab_size=tok.vocab_size))
+    ids = torch.tensor([tok.encode(" the cat saw the dog and the cat ran off")])
+    weights = (model.model.embed_tokens.weight, model.lm_head.weight)
+
+    def loss_of(emb: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        h = torch.func.functional_call(model, {"model.embed_tokens.weight": emb, "lm_head.weight": head}, (ids,))
+        return torch.nn.functional.cross_entropy(h[0, :-1], ids[0, 1:])
+    loss_of(*weights).backward()
+    couple_twins(model, pairs, 1.0)
+    coupled = [w.grad.clone() for w in weights]
+    index = torch.full((tok.vocab_size,), len(pairs))   # each row's pair; unpaired rows read a zero row
+    index[pairs[:, 0]] = index[pairs[:, 1]] = torch.arange(len(pairs))
+    paired = (index < len(pairs))[:, None]
+    own = [w.detach().clone().requires_grad_() for w in weights]
+    shared = [torch.zeros(len(pairs) + 1, w.shape[1], requires_grad=True) for w in weights]
+    loss_of(*(o + s[index] * paired for o, s in zip(own, shared, strict=True))).backward()
+    for c, o, s in zip(coupled, own, shared, strict=True):
+        torch.testing.assert_close(c, o.grad + s.grad[index] * paired, rtol=1e-5, atol=1e-7)
+        moved = (c - o.grad).abs().sum(1) > 0
+        assert moved.any() and not moved[~paired[:, 0]].any()
+
+
 def test_sft_masking_never_touches_prompt_tokens(data_dir):
     _, batch = _fixed_batch(data_dir, sft=True)
     valid = torch.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]
@@ -472,7 +531,8 @@ def test_train_config_refuses_a_gdn_decay_range_it_cannot_draw():
     ({"ar_loss_weight": math.nan}, "ar_loss_weight"), ({"certainty_weight": math.inf}, "certainty_weight"),
     ({"mix": "code=-1,english=1"}, "mix weights"), ({"mix": "code=nan"}, "mix weights"),
     ({"mix": "code=0"}, "mix weights"), ({"eval_batches": 0}, "eval_batches"), ({"aux_loss_coef": -1.0}, "aux_loss"),
-    ({"pack_whole": True}, "needs pack"),
+    ({"pack_whole": True}, "needs pack"), ({"twin_coupling": -0.5}, "twin_coupling"),
+    ({"twin_coupling": math.nan}, "twin_coupling"),
 ])
 def test_train_config_refuses_values_that_would_train_nonsense(change, message):
     """Each of these was accepted and trained before (a NaN weight decay, a negative clip, a NaN loss weight):

@@ -169,6 +169,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, type=float, help="diffusion: weight of the entropy at masked positions the noisy "
                                                   "stream guesses right, so right guesses grow confident enough to "
                                                   "commit in parallel (certainty forcing; default 0: off)")
+        elif f.name == "twin_coupling":
+            p.add_argument(flag, type=float, help="add this share of each space-twin pair's summed gradient (` Oth` "
+                                                  "and `Oth`, one token apart by a leading space) to both rows of "
+                                                  "the embedding and the LM head, so what the model learns to copy "
+                                                  "in one spelling it learns in the other (default 0: off)")
         else:
             p.add_argument(flag, type=type(default), help=f"(default {default})")
     p.set_defaults(func=cmd_train)

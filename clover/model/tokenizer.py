@@ -92,6 +92,20 @@ class Tokenizer:
                 raise TokenizerError("the text holds a lone UTF-16 surrogate, which is not a character") from exc
             raise
 
+    def space_twins(self) -> list[tuple[int, int]]:
+        """(spaced, bare) id pairs of the tokens spelt the same but for a leading space (` Oth` and `Oth`): a
+        byte-level tokenizer glues a space to the word after it, so a word writes with one of them after a
+        space and with the other after a newline or a quote. Tokens that are not whole characters are skipped."""
+        pairs = []
+        for i in range(self.vocab_size):
+            text = self.tk.id_to_token(i) and self.decode([i])
+            if not text or len(text) < 2 or text[0] != " " or text[1].isspace() or "\ufffd" in text:
+                continue
+            bare = self.tk.token_to_id(self.tk.id_to_token(i)[1:]) if i not in self.special_ids.values() else None
+            if bare is not None and self.decode([bare]) == text[1:]:
+                pairs.append((i, bare))
+        return pairs
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -70,6 +70,7 @@ class TrainConfig:
     mask_mode: str = "bernoulli"
     aux_loss_coef: float | None = None
     certainty_weight: float = 0.0
+    twin_coupling: float = 0.0                 # space twins' embedding and head rows share this much of their gradients
 
     def objective_config(self) -> ObjectiveConfig:
         return ObjectiveConfig(self.objective, self.ar_loss_weight, self.loss_weighting, self.complementary,
@@ -101,6 +102,8 @@ class TrainConfig:
             raise ValueError(f"clip (the gradient-norm limit; inf: none) must be a positive number, got {self.clip}")
         if self.aux_loss_coef is not None and not 0 <= self.aux_loss_coef < math.inf:
             raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {self.aux_loss_coef}")
+        if not 0 <= self.twin_coupling < math.inf:
+            raise ValueError(f"twin_coupling must be a finite number >= 0, got {self.twin_coupling}")
         if self.pack_whole and not self.pack:
             raise ValueError("pack_whole keeps packed conversations whole: it needs pack")
         check_gdn_init(self.gdn_gate_z, self.gdn_dt_max)
@@ -164,6 +167,25 @@ def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def couple_twins(model: CloverForCausalLM, pairs: torch.Tensor, alpha: float) -> None:
+    """Add `alpha` times each pair's summed gradient to both rows of the pair, in the embedding and the LM head
+    (`pairs` [P, 2]: `Tokenizer.space_twins`). Under plain gradient descent this trains `row = own + shared`
+    with a `shared` part per pair (alpha 1: at the same rate as the own parts): whatever the model learns to
+    read from `Oth` or write as `Oth` (copying it, above all) it learns for ` Oth` too. The weights keep their
+    shape: nothing to fold at save time, and the checkpoint loads anywhere."""
+    if alpha == 0 or pairs.numel() == 0:
+        return
+    seen: set[int] = set()
+    for w in (model.model.embed_tokens.weight, model.lm_head.weight):
+        if w.grad is None or id(w) in seen:   # tied embeddings: one matrix
+            continue
+        seen.add(id(w))
+        g = w.grad
+        shared = (g[pairs[:, 0]] + g[pairs[:, 1]]) * alpha
+        g.index_add_(0, pairs[:, 0], shared)
+        g.index_add_(0, pairs[:, 1], shared)
 
 
 class _Progress:
@@ -306,6 +328,8 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     data = TokenData(cfg.data, "train", cfg.mix_weights(), eos, cfg.pack, cfg.pack_whole)
     val = TokenData(cfg.data, "val", cfg.mix_weights(), eos, cfg.pack, cfg.pack_whole)
     block = model.config.block_size
+    twins = torch.tensor(tokenizer.space_twins() if cfg.twin_coupling else [], dtype=torch.long,
+                         device=d.device).view(-1, 2)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
@@ -319,6 +343,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
             group["lr"] = lr
         batch = data.batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)
         sums = _reduce(_run_batch(module, batch, cfg, step, d, block, True, autocast), d)
+        couple_twins(model, twins, cfg.twin_coupling)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
