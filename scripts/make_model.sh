@@ -36,6 +36,9 @@ AR_SEQ=${AR_SEQ:-512}       # rows of AR pretraining and block-diffusion adaptat
 AR_BATCH=${AR_BATCH:-8}
 SFT_SEQ=${SFT_SEQ:-1024}    # rows of the SFT and distillation stages: SFT_BATCH x SFT_SEQ tokens
 SFT_BATCH=${SFT_BATCH:-4}
+EXT_STEPS=${EXT_STEPS:-0}   # >0: an AR stage more after pretraining, in EXT_BATCH x EXT_SEQ rows from the AR parent, lr 1e-3
+EXT_SEQ=${EXT_SEQ:-2048}    # (its 300 steps at 8 x 2,048 took the AR parent from 0.148 / 0.128 to 0.237 / 0.185 of the
+EXT_BATCH=${EXT_BATCH:-8}   # validation agent turns and 0.956x the code bits per byte, session 37); 0: none
 LAYOUT=${LAYOUT:-}          # the layers' mixers, one letter each (L: Gated DeltaNet, F: full attention), e.g. LFLF;
                             # empty: the preset's (tiny-wide: LLLF)
 DISTILL_CHAT=${DISTILL_CHAT:-1500}
@@ -107,8 +110,15 @@ fi
 train "$RUNS/ar" --data "$DATA" "${init[@]}" \
   --objective ar --steps "$AR_STEPS" --batch-size "$AR_BATCH" --seq-len "$AR_SEQ" --lr 3e-3 --warmup 100 --mix "$MIX" --pack \
   --eval-every 300 --save-every 50
+parent="$RUNS/ar/model"
+if [ "$EXT_STEPS" -gt 0 ]; then
+  stage "AR extension: longer rows"
+  train "$RUNS/ext" --data "$DATA" --init "$RUNS/ar/model" --objective ar --steps "$EXT_STEPS" --batch-size "$EXT_BATCH" \
+    --seq-len "$EXT_SEQ" --lr 1e-3 --warmup 30 --mix "$MIX" --pack --eval-every 100 --save-every 25
+  parent="$RUNS/ext/model"
+fi
 stage "convert the AR parent into a block-diffusion model"
-[ -f "$RUNS/diff-init/config.json" ] || timed convert "$BIN/clover" convert "$RUNS/ar/model" "$RUNS/diff-init"
+[ -f "$RUNS/diff-init/config.json" ] || timed convert "$BIN/clover" convert "$parent" "$RUNS/diff-init"
 stage "block-diffusion adaptation"
 train "$RUNS/diff" --data "$DATA" --init "$RUNS/diff-init" --objective diffusion --ar-loss-weight 1.0 \
   --steps "$DIFF_STEPS" --batch-size "$AR_BATCH" --seq-len "$AR_SEQ" --lr 1e-3 --warmup 50 --mix "$MIX" --pack --eval-every 350 \
