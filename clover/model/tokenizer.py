@@ -97,11 +97,13 @@ class Tokenizer:
         byte-level tokenizer glues a space to the word after it, so a word writes with one of them after a
         space and with the other after a newline or a quote. Tokens that are not whole characters are skipped."""
         pairs = []
+        specials = set(self.special_ids.values())
         for i in range(self.vocab_size):
-            text = self.tk.id_to_token(i) and self.decode([i])
-            if not text or len(text) < 2 or text[0] != " " or text[1].isspace() or "\ufffd" in text:
+            piece = self.tk.id_to_token(i)    # the vocabulary's spelling (byte-level: the space is one character)
+            text = self.decode([i]) if piece and i not in specials else ""
+            if len(text) < 2 or text[0] != " " or text[1].isspace() or "\ufffd" in text:
                 continue
-            bare = self.tk.token_to_id(self.tk.id_to_token(i)[1:]) if i not in self.special_ids.values() else None
+            bare = self.tk.token_to_id(piece[1:])
             if bare is not None and self.decode([bare]) == text[1:]:
                 pairs.append((i, bare))
         return pairs
