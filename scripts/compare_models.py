@@ -99,6 +99,9 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
     r = cached("copy", settings, lambda m, t, s=settings: scores.copy_accuracy(m, t, **s))
     figures["copy_numbers"], figures["copy_other"] = (r["results"][k]["accuracy"] for k in ("number_copied",
                                                                                              "other_copied"))
+    words = r.get("words", {})   # whole words copied, in the same spelling or respelt (none: shown as -)
+    figures["copy_words_same"], figures["copy_words_respelt"] = (words.get(k, {}).get("accuracy") for k in
+                                                                 ("same_spelling", "respelt"))
     figures["lc_tpf"], figures["lc_match"] = rows["low_confidence", 0.95]["tpf"], rows["low_confidence", 0.95]["match"]
     figures["ar_match"], figures["verify_tpf"] = rows["ar", None]["match"], rows["verify", None]["tpf"]
     return figures
@@ -173,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         for family in sorted(by_base.keys() | by_cand.keys()):
             print(f"{f'  {pool} {family}':20}{by_base.get(family, float('nan')):12.4f}"
                   f"{by_cand.get(family, float('nan')):12.4f}")
-    for k in ("copy_numbers", "copy_other"):
-        print(f"{'  ' + k:20}{base[k]:12.4f}{cand[k]:12.4f}")
+    for k in ("copy_numbers", "copy_other", "copy_words_same", "copy_words_respelt"):
+        shown = [f"{x[k]:12.4f}" if isinstance(x.get(k), float) else f"{'-':>12}" for x in (base, cand)]
+        print(f"{'  ' + k:20}{shown[0]}{shown[1]}")
     replace, checks = verdict(cand, base, a)
     for text, ok in checks:
         print(f"  [{'x' if ok else ' '}] {text}")

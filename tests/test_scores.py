@@ -79,6 +79,16 @@ def test_copy_kinds_tell_copied_numbers_from_computed_ones():
                                   "number_computed", "other_copied"]   # 1897 is not 897 copied
 
 
+def test_copied_words_tell_a_respelt_copy_from_a_same_spelling_one():
+    from clover.training.scores import _copied_words
+
+    pieces = ["Call", " Oth", "ru", " now", "\n", "Oth", "ru", " and", " Oth", "ru", " Othru2"]
+    words = _copied_words(pieces, [False] * 4 + [True] * 7)
+    # `Othru` on its own line after ` Othru`: respelt; after a space again: the same spelling; `and` and
+    # `Othru2` stand nowhere earlier; the first occurrence is not scored
+    assert words == [([5, 6], True), ([8, 9], False)]
+
+
 class Oracle:
     """Logits [1,T,V] that predict every next token (`right`), or always token 0 (the last row: token 0)."""
     device = torch.device("cpu")
@@ -103,6 +113,10 @@ def test_copy_accuracy_scores_each_assistant_token_against_the_prediction_before
     assert good["number_copied"]["tokens"] > 0 and good["other_copied"]["tokens"] > 0
     assert all(r["accuracy"] == 1.0 for r in good.values() if r["tokens"])
     assert bad["number_copied"]["accuracy"] < 0.5 and bad["other_copied"]["accuracy"] < 0.5
+    good_words = scores.copy_accuracy(Oracle(tok.vocab_size), tok, count=6)["words"]
+    assert all(w["words"] > 0 and w["accuracy"] == 1.0 for w in good_words.values())
+    bad_words = scores.copy_accuracy(Lagging(tok.vocab_size), tok, count=6)["words"]
+    assert all(w["accuracy"] < 0.5 for w in bad_words.values())
 
 
 @pytest.mark.parametrize("pool", ["train", "heldout"])

@@ -8,6 +8,9 @@
 - `copy_accuracy`: held-out agent conversations (test seeds), teacher-forced: how often the causal
   head's next token is right on the assistant's tokens, by kind: digits of a number that stands earlier
   in the conversation (copied), of a number that does not (computed), other tokens seen earlier, others;
+  and whole words copied from earlier in the conversation, in the same spelling or respelt (a space before
+  the word here and none before every earlier occurrence, or the other way round: `\nOthru` is `Oth`+`ru`,
+  ` Othru` is ` Oth`+`ru`);
 - `repeat_accuracy`: copying outside the chat format: a random string (digits, words, made-up names)
   written twice, teacher-forced accuracy on the second copy after its first token (induction).
 - `turn_accuracy`: agent conversations of a split (validation seeds by default), each assistant turn
@@ -170,29 +173,59 @@ def _token_kinds(pieces: list[str], scored: list[bool]) -> list[str | None]:
     return kinds
 
 
+_WORD = re.compile(r"(?<![A-Za-z0-9_])[A-Za-z][A-Za-z0-9_]+")
+
+
+def _copied_words(pieces: list[str], scored: list[bool]) -> list[tuple[list[int], bool]]:
+    """(token indices, respelt) of each word of the scored tokens that stands earlier in the text as a whole
+    word; respelt when no earlier occurrence has a space before it exactly where this one has (or lacks) one,
+    so that the tokenizer starts them with different tokens and a copy must change the token it read."""
+    owner = [i for i, piece in enumerate(pieces) for _ in piece]
+    text = "".join(pieces)
+    out = []
+    for m in _WORD.finditer(text):
+        a, b = m.span()
+        toks = sorted(set(owner[a:b]))
+        if not all(scored[t] for t in toks):
+            continue
+        earlier = [e.start() for e in re.finditer(rf"(?<![A-Za-z0-9_]){re.escape(m.group())}(?![A-Za-z0-9_])",
+                                                    text[:a])]
+        if earlier:
+            spaced = text[a - 1: a] == " "
+            out.append((toks, all((text[e - 1: e] == " ") != spaced for e in earlier)))
+    return out
+
+
 @torch.inference_mode()
 def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, split: str = "test",
                   max_tokens: int = 2048) -> dict:
     """Teacher-forced next-token accuracy of the causal head on the assistant tokens of `count` agent
     conversations of `split` (`clover.training.agent_data`, the training pool of tool names), by
-    COPY_KINDS; each conversation cut at max_tokens."""
+    COPY_KINDS; each conversation cut at max_tokens. `words`: whole words copied from earlier in the
+    conversation (right when every token of the word is), in the same spelling or respelt (`_copied_words`)."""
     from clover.training.agent_data import training_tasks
     from clover.training.data import chat_example
 
     right = dict.fromkeys(COPY_KINDS, 0)
     total = dict.fromkeys(COPY_KINDS, 0)
+    words = {k: [0, 0] for k in ("same_spelling", "respelt")}   # right, total
     for task in training_tasks(split, count):
         ids, mask = chat_example(tok, task.messages, task.tools, task.thinking)
         ids, mask = ids[:max_tokens], mask[:max_tokens]
         pred = model(torch.tensor([ids], device=model.device))[0].argmax(-1).tolist()
-        kinds = _token_kinds([tok.decode([t]) for t in ids], [bool(m) and i > 0 for i, m in enumerate(mask)])
-        for i, kind in enumerate(kinds):
+        pieces, scored = [tok.decode([t]) for t in ids], [bool(m) and i > 0 for i, m in enumerate(mask)]
+        for i, kind in enumerate(_token_kinds(pieces, scored)):
             if kind is not None:
                 total[kind] += 1
                 right[kind] += int(pred[i - 1] == ids[i])
+        for toks, respelt in _copied_words(pieces, scored):
+            w = words["respelt" if respelt else "same_spelling"]
+            w[0] += all(pred[t - 1] == ids[t] for t in toks)
+            w[1] += 1
     return {"conversations": count, "split": split,
             "results": {k: {"accuracy": right[k] / total[k] if total[k] else None, "tokens": total[k]}
-                        for k in COPY_KINDS}}
+                        for k in COPY_KINDS},
+            "words": {k: {"accuracy": r / n if n else None, "words": n} for k, (r, n) in words.items()}}
 
 
 REPEAT_KINDS = ("digits", "words", "names")
