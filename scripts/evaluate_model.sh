@@ -20,13 +20,15 @@ DATA=${DATA:-data}
 PRESET=${PRESET:-tiny-wide}   # the shape timed by benchmarks/train.py: the model's (scripts/make_model.sh PRESET)
 step() { echo "== $* ($(date +%H:%M:%S))" >&2; }
 
+PARENT="$RUNS/ar/model"   # the AR parent: the extension stage's model where the recipe had one (EXT_STEPS)
+[ ! -d "$RUNS/ext/model" ] || PARENT="$RUNS/ext/model"
 step "bits per byte: AR parent and $MODEL"
 # (the AR parent's figures only where RUNS has it: a build continued from a release carries them in
 # RUNS/base_record.json, see scripts/model_card.py)
-[ -f "$RUNS/eval_bpb_ar.json" ] || [ ! -d "$RUNS/ar/model" ] || "$BIN/clover" eval bpb --model "$RUNS/ar/model" --data "$DATA" --out "$RUNS/eval_bpb_ar.json"
+[ -f "$RUNS/eval_bpb_ar.json" ] || [ ! -d "$PARENT" ] || "$BIN/clover" eval bpb --model "$PARENT" --data "$DATA" --out "$RUNS/eval_bpb_ar.json"
 "$BIN/clover" eval bpb --model "$MODEL" --data "$DATA" --out "$RUNS/eval_bpb_final.json"
 step "copying: AR parent and $MODEL"
-[ -f "$RUNS/eval_copy_ar.json" ] || [ ! -d "$RUNS/ar/model" ] || "$BIN/clover" eval copy --model "$RUNS/ar/model" --out "$RUNS/eval_copy_ar.json"
+[ -f "$RUNS/eval_copy_ar.json" ] || [ ! -d "$PARENT" ] || "$BIN/clover" eval copy --model "$PARENT" --out "$RUNS/eval_copy_ar.json"
 "$BIN/clover" eval copy --model "$MODEL" --out "$RUNS/eval_copy_final.json"
 step "code continuations"
 "$BIN/clover" eval match --model "$MODEL" --data "$DATA" --out "$RUNS/eval_match.json"

@@ -39,6 +39,7 @@ SFT_BATCH=${SFT_BATCH:-4}
 EXT_STEPS=${EXT_STEPS:-0}   # >0: an AR stage more after pretraining, in EXT_BATCH x EXT_SEQ rows from the AR parent, lr 1e-3
 EXT_SEQ=${EXT_SEQ:-2048}    # (its 300 steps at 8 x 2,048 took the AR parent from 0.148 / 0.128 to 0.237 / 0.185 of the
 EXT_BATCH=${EXT_BATCH:-8}   # validation agent turns and 0.956x the code bits per byte, session 37); 0: none
+case $EXT_STEPS in ''|*[!0-9]*) echo "EXT_STEPS must be a whole number, got '$EXT_STEPS'" >&2; exit 2;; esac
 LAYOUT=${LAYOUT:-}          # the layers' mixers, one letter each (L: Gated DeltaNet, F: full attention), e.g. LFLF;
                             # empty: the preset's (tiny-wide: LLLF)
 DISTILL_CHAT=${DISTILL_CHAT:-1500}
@@ -118,7 +119,17 @@ if [ "$EXT_STEPS" -gt 0 ]; then
   parent="$RUNS/ext/model"
 fi
 stage "convert the AR parent into a block-diffusion model"
-[ -f "$RUNS/diff-init/config.json" ] || timed convert "$BIN/clover" convert "$parent" "$RUNS/diff-init"
+if [ -f "$RUNS/diff-init/config.json" ]; then   # converted in an earlier sitting: from the same parent?
+  was=$(cat "$RUNS/diff-init/PARENT" 2> /dev/null || echo "$RUNS/ar/model")
+  if [ "$was" != "$parent" ]; then
+    echo "$RUNS/diff-init was converted from $was, this run's parent is $parent (EXT_STEPS changed?):" \
+      "remove $RUNS/diff-init and the stages after it, or run with the settings it was built with" >&2
+    exit 2
+  fi
+else
+  timed convert "$BIN/clover" convert "$parent" "$RUNS/diff-init"
+  echo "$parent" > "$RUNS/diff-init/PARENT"
+fi
 stage "block-diffusion adaptation"
 train "$RUNS/diff" --data "$DATA" --init "$RUNS/diff-init" --objective diffusion --ar-loss-weight 1.0 \
   --steps "$DIFF_STEPS" --batch-size "$AR_BATCH" --seq-len "$AR_SEQ" --lr 1e-3 --warmup 50 --mix "$MIX" --pack --eval-every 350 \

@@ -27,7 +27,7 @@ import torch
 
 from clover.model.files import write_text_atomic
 
-STAGES = ("ar", "diff", "sft", "distill", "sft2", "distill2", "sft3", "sft4", "sft5")
+STAGES = ("ar", "ext", "diff", "sft", "distill", "sft2", "distill2", "sft3", "sft4", "sft5")
 
 
 def _log(run: Path) -> list[dict]:

@@ -87,6 +87,10 @@ def test_copied_words_tell_a_respelt_copy_from_a_same_spelling_one():
     # `Othru` on its own line after ` Othru`: respelt; after a space again: the same spelling; `and` and
     # `Othru2` stand nowhere earlier; the first occurrence is not scored
     assert words == [([5, 6], True), ([8, 9], False)]
+    # the chat template's own words are format, not copies
+    pieces = ["<tool_call>", "\n", "Oth", "ru", "<tool_call>", " Oth", "ru"]
+    assert _copied_words(pieces, [True] * 7, frozenset({"tool_call"})) == [([5, 6], True)]
+    assert _copied_words(pieces, [True] * 7) == [([4], False), ([5, 6], True)]
 
 
 class Oracle:

@@ -151,6 +151,20 @@ def test_certainty_weight_reaches_the_trainer_and_its_log(data_dir, tmp_path):
     assert json.loads((run / "train_config.json").read_text())["certainty_weight"] == 1.0
 
 
+def test_twin_coupling_of_tied_embeddings_couples_the_one_matrix_once(data_dir):
+    from clover.training.trainer import couple_twins
+    tok = Tokenizer.load(data_dir / "tokenizer")
+    pairs = torch.tensor(tok.space_twins())
+    model = CloverForCausalLM(CloverConfig.preset("debug", mask_token_id=tok.mask_token_id, vocab_size=tok.vocab_size,
+                                                  tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    g = torch.randn_like(model.lm_head.weight)
+    model.lm_head.weight.grad = g.clone()
+    couple_twins(model, pairs, 1.0)
+    shared = g[pairs[:, 0]] + g[pairs[:, 1]]
+    torch.testing.assert_close(model.lm_head.weight.grad[pairs[:, 0]], g[pairs[:, 0]] + shared)
+
+
 def test_twin_coupling_reaches_the_trainer(data_dir, tmp_path):
     """One step with and without the coupling (no clipping, so the other gradients are the same): only paired
     rows of the embedding and the LM head differ."""
@@ -170,10 +184,17 @@ def test_twin_coupling_reaches_the_trainer(data_dir, tmp_path):
     assert json.loads((tmp_path / "1.0" / "train_config.json").read_text())["twin_coupling"] == 1.0
 
 
+def test_twin_coupling_without_twins_is_refused(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(Tokenizer, "space_twins", lambda self: [])   # as a tokenizer that isolates spaces
+    with pytest.raises(ValueError, match="no space twins"):
+        train(_cfg(data_dir, tmp_path / "run", steps=1, twin_coupling=1.0))
+
+
 def test_space_twins_pair_tokens_one_leading_space_apart(data_dir):
     tok = Tokenizer.load(data_dir / "tokenizer")
     pairs = tok.space_twins()
-    assert len(pairs) > 20 and len({a for a, _ in pairs}) == len(pairs)
+    spaced, bare = {a for a, _ in pairs}, {b for _, b in pairs}
+    assert len(pairs) > 20 and len(bare) == len(pairs) and not spaced & bare   # no row in two pairs
     for spaced, bare in pairs:
         assert tok.decode([spaced]) == " " + tok.decode([bare]) and not tok.decode([bare])[0].isspace()
     whole = [w for w in ("the", "def", "self", "return", "in", "if", "of", "and") if len(tok.encode(w)) == 1 == len(
@@ -196,7 +217,7 @@ def test_twin_coupling_trains_a_shared_part_per_pair(data_dir, tmp_path):
         h = torch.func.functional_call(model, {"model.embed_tokens.weight": emb, "lm_head.weight": head}, (ids,))
         return torch.nn.functional.cross_entropy(h[0, :-1], ids[0, 1:])
     loss_of(*weights).backward()
-    couple_twins(model, pairs, 1.0)
+    couple_twins(model, pairs, 0.5)
     coupled = [w.grad.clone() for w in weights]
     index = torch.full((tok.vocab_size,), len(pairs))   # each row's pair; unpaired rows read a zero row
     index[pairs[:, 0]] = index[pairs[:, 1]] = torch.arange(len(pairs))
@@ -204,8 +225,8 @@ def test_twin_coupling_trains_a_shared_part_per_pair(data_dir, tmp_path):
     own = [w.detach().clone().requires_grad_() for w in weights]
     shared = [torch.zeros(len(pairs) + 1, w.shape[1], requires_grad=True) for w in weights]
     loss_of(*(o + s[index] * paired for o, s in zip(own, shared, strict=True))).backward()
-    for c, o, s in zip(coupled, own, shared, strict=True):
-        torch.testing.assert_close(c, o.grad + s.grad[index] * paired, rtol=1e-5, atol=1e-7)
+    for c, o, s in zip(coupled, own, shared, strict=True):   # alpha 0.5: the shared part at half the rate
+        torch.testing.assert_close(c, o.grad + 0.5 * s.grad[index] * paired, rtol=1e-5, atol=1e-7)
         moved = (c - o.grad).abs().sum(1) > 0
         assert moved.any() and not moved[~paired[:, 0]].any()
 

@@ -95,7 +95,8 @@ class Tokenizer:
     def space_twins(self) -> list[tuple[int, int]]:
         """(spaced, bare) id pairs of the tokens spelt the same but for a leading space (` Oth` and `Oth`): a
         byte-level tokenizer glues a space to the word after it, so a word writes with one of them after a
-        space and with the other after a newline or a quote. Tokens that are not whole characters are skipped."""
+        space and with the other after a newline or a quote. Punctuation pairs count too (` (` and `(`: 64 of
+        clover-tiny's 1,466). Tokens that are not whole characters are skipped."""
         pairs = []
         specials = set(self.special_ids.values())
         for i in range(self.vocab_size):

@@ -183,7 +183,9 @@ _AFTER_A_SPACE = ("The {k} is {v}.", "It answered {v}.", "So {k} = {v}", "Result
 
 def crossing(rng: random.Random) -> str:
     """Values stated in one spelling and restated in the other: each on a line of its own, then quoted after a
-    space, or the other way round (a user names it in a sentence, a call writes it on its own line)."""
+    space, or the other way round (a user names it in a sentence, a call writes it on its own line). Known
+    flaw, kept so that session 37's data can be rebuilt: with several values, forms without the key or with the
+    value before it leave about 31% of the restated values without a cue to which one comes next."""
     items = list(zip(_keys(rng, rng.randint(1, 4)), [_spelt(rng) for _ in range(4)], strict=False))
     forms = (_ON_A_LINE, _AFTER_A_SPACE) if rng.random() < 0.5 else (_AFTER_A_SPACE, _ON_A_LINE)
     stated, asked = rng.choice(forms[0]), rng.choice(forms[1])

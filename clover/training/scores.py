@@ -176,17 +176,19 @@ def _token_kinds(pieces: list[str], scored: list[bool]) -> list[str | None]:
 _WORD = re.compile(r"(?<![A-Za-z0-9_])[A-Za-z][A-Za-z0-9_]+")
 
 
-def _copied_words(pieces: list[str], scored: list[bool]) -> list[tuple[list[int], bool]]:
+def _copied_words(pieces: list[str], scored: list[bool], markup: frozenset[str] = frozenset()) -> list[
+        tuple[list[int], bool]]:
     """(token indices, respelt) of each word of the scored tokens that stands earlier in the text as a whole
     word; respelt when no earlier occurrence has a space before it exactly where this one has (or lacks) one,
-    so that the tokenizer starts them with different tokens and a copy must change the token it read."""
+    so that the tokenizer starts them with different tokens and a copy must change the token it read. Words in
+    `markup` (what the chat template writes itself: `function`, `parameter`, `im_end`) are format, not copies."""
     owner = [i for i, piece in enumerate(pieces) for _ in piece]
     text = "".join(pieces)
     out = []
     for m in _WORD.finditer(text):
         a, b = m.span()
         toks = sorted(set(owner[a:b]))
-        if not all(scored[t] for t in toks):
+        if m.group() in markup or not all(scored[t] for t in toks):
             continue
         earlier = [e.start() for e in re.finditer(rf"(?<![A-Za-z0-9_]){re.escape(m.group())}(?![A-Za-z0-9_])",
                                                     text[:a])]
@@ -209,6 +211,7 @@ def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, spl
     right = dict.fromkeys(COPY_KINDS, 0)
     total = dict.fromkeys(COPY_KINDS, 0)
     words = {k: [0, 0] for k in ("same_spelling", "respelt")}   # right, total
+    markup = frozenset(_WORD.findall(tok.chat_template)) | {w for t in tok.special_ids for w in _WORD.findall(t)}
     for task in training_tasks(split, count):
         ids, mask = chat_example(tok, task.messages, task.tools, task.thinking)
         ids, mask = ids[:max_tokens], mask[:max_tokens]
@@ -218,7 +221,7 @@ def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, spl
             if kind is not None:
                 total[kind] += 1
                 right[kind] += int(pred[i - 1] == ids[i])
-        for toks, respelt in _copied_words(pieces, scored):
+        for toks, respelt in _copied_words(pieces, scored, markup):
             w = words["respelt" if respelt else "same_spelling"]
             w[0] += all(pred[t - 1] == ids[t] for t in toks)
             w[1] += 1

@@ -173,7 +173,8 @@ def couple_twins(model: CloverForCausalLM, pairs: torch.Tensor, alpha: float) ->
     """Add `alpha` times each pair's summed gradient to both rows of the pair, in the embedding and the LM head
     (`pairs` [P, 2]: `Tokenizer.space_twins`). Under plain gradient descent this trains `row = own + shared`
     with a `shared` part per pair (alpha 1: at the same rate as the own parts): whatever the model learns to
-    read from `Oth` or write as `Oth` (copying it, above all) it learns for ` Oth` too. The weights keep their
+    read from `Oth` or write as `Oth` (copying it, above all) it learns for ` Oth` too. Under AdamW it is that
+    only roughly, and it comes before the gradient-norm clip, whose norm it raises. The weights keep their
     shape: nothing to fold at save time, and the checkpoint loads anywhere."""
     if alpha == 0 or pairs.numel() == 0:
         return
@@ -330,6 +331,9 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     block = model.config.block_size
     twins = torch.tensor(tokenizer.space_twins() if cfg.twin_coupling else [], dtype=torch.long,
                          device=d.device).view(-1, 2)
+    if cfg.twin_coupling and not len(twins):
+        raise ValueError(f"twin_coupling: the tokenizer of {cfg.data} has no space twins (tokens one leading space "
+                         "apart) to couple")
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
