@@ -128,7 +128,7 @@ if [ -f "$RUNS/diff-init/config.json" ]; then   # converted in an earlier sittin
   fi
 else
   timed convert "$BIN/clover" convert "$parent" "$RUNS/diff-init"
-  echo "$parent" > "$RUNS/diff-init/PARENT"
+  [ ! -d "$RUNS/diff-init" ] || echo "$parent" > "$RUNS/diff-init/PARENT"
 fi
 stage "block-diffusion adaptation"
 train "$RUNS/diff" --data "$DATA" --init "$RUNS/diff-init" --objective diffusion --ar-loss-weight 1.0 \
