@@ -20,8 +20,9 @@ DATA=${DATA:-data}
 PRESET=${PRESET:-tiny-wide}   # the shape timed by benchmarks/train.py: the model's (scripts/make_model.sh PRESET)
 step() { echo "== $* ($(date +%H:%M:%S))" >&2; }
 
-PARENT="$RUNS/ar/model"   # the AR parent: the extension stage's model where the recipe had one (EXT_STEPS)
-[ ! -d "$RUNS/ext/model" ] || PARENT="$RUNS/ext/model"
+# the AR parent: what scripts/make_model.sh converted (RUNS/diff-init/PARENT: the extension stage's model where
+# the recipe had one, EXT_STEPS), else RUNS/ar/model
+PARENT=$(cat "$RUNS/diff-init/PARENT" 2> /dev/null || echo "$RUNS/ar/model")
 step "bits per byte: AR parent and $MODEL"
 # (the AR parent's figures only where RUNS has it: a build continued from a release carries them in
 # RUNS/base_record.json, see scripts/model_card.py)

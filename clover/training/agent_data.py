@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from clover.training import synthetic
-from clover.training.synthetic import Alias, Task, World, _Builder, _tool
+from clover.training.synthetic import Alias, Task, World, _Builder, _tool, check_share
 
 FAMILY_WEIGHTS = {"calc": 3, "calc_faulty": 1, "notes": 2, "files": 2, "recall": 3, "everyday": 3, "lookup": 4,
                   "arith": 2}
@@ -373,8 +373,3 @@ def training_tasks(split: str, count: int, pool: str = "train", coin_values: flo
     cycle = [f for f, w in FAMILY_WEIGHTS.items() for _ in range(w)]
     base = synthetic.SPLIT_SEEDS[split]
     return [make_training_task(cycle[i % len(cycle)], base + i, pool, coin_values) for i in range(count)]
-
-
-def check_share(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
-        raise ValueError(f"{name} must be a share between 0 and 1, got {value!r}")

@@ -104,8 +104,8 @@ def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int]
     """Write raw/{split}/{kind}.jsonl and manifest.json (documents, bytes and licence per source and split);
     `coin_values`: `agent_data.make_training_task`'s share of conversations whose values to copy are invented;
     `recall_crossing`: `recall_data.drill`'s share of drills that restate values in the other spelling."""
-    agent_data.check_share("coin_values", coin_values)
-    agent_data.check_share("recall_crossing", recall_crossing)
+    synthetic.check_share("coin_values", coin_values)
+    synthetic.check_share("recall_crossing", recall_crossing)
     out, cache = Path(out), Path(cache)
     chat_counts = chat_counts or {"train": 20000, "val": 200, "test": 200}
     recall_counts = recall_counts or {"train": 20000, "val": 500, "test": 500}

@@ -19,7 +19,7 @@ import json
 import random
 from collections.abc import Callable, Iterator
 
-from clover.training.synthetic import SPLIT_SEEDS
+from clover.training.synthetic import SPLIT_SEEDS, check_share
 
 _SYLLABLES = ("ka ri mo len tas vel dor mi ssa bru qen zo fa nit lo gra pe hul wen tiv ar os "
               "ul cre dan vix pol sen thu").split()
@@ -209,8 +209,7 @@ def documents(split: str, count: int, crossing_share: float = 0.0) -> Iterator[s
     """`count` drill documents of `split`, from its own seed range; `crossing_share`: see `drill`."""
     if split not in SPLIT_SEEDS:
         raise ValueError(f"unknown split {split!r}; choose from {list(SPLIT_SEEDS)}")
-    if not 0 <= crossing_share <= 1:
-        raise ValueError(f"crossing_share must be a share between 0 and 1, got {crossing_share!r}")
+    check_share("crossing_share", crossing_share)
     base = SPLIT_SEEDS[split]
     for i in range(count):
         yield drill(base + i, crossing_share)

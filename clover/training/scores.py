@@ -184,17 +184,15 @@ def _copied_words(pieces: list[str], scored: list[bool], markup: frozenset[str] 
     `markup` (what the chat template writes itself: `function`, `parameter`, `im_end`) are format, not copies."""
     owner = [i for i, piece in enumerate(pieces) for _ in piece]
     text = "".join(pieces)
+    seen: dict[str, set[bool]] = {}   # each word so far: whether a space stood before it, at each occurrence
     out = []
-    for m in _WORD.finditer(text):
+    for m in _WORD.finditer(text):    # (whole words: an occurrence of a word is a match of it)
         a, b = m.span()
+        spaced, before = text[a - 1: a] == " ", seen.setdefault(m.group(), set())
         toks = sorted(set(owner[a:b]))
-        if m.group() in markup or not all(scored[t] for t in toks):
-            continue
-        earlier = [e.start() for e in re.finditer(rf"(?<![A-Za-z0-9_]){re.escape(m.group())}(?![A-Za-z0-9_])",
-                                                    text[:a])]
-        if earlier:
-            spaced = text[a - 1: a] == " "
-            out.append((toks, all((text[e - 1: e] == " ") != spaced for e in earlier)))
+        if before and m.group() not in markup and all(scored[t] for t in toks):
+            out.append((toks, spaced not in before))
+        before.add(spaced)
     return out
 
 

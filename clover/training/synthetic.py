@@ -370,3 +370,9 @@ def make_faulty_calc(seed: int, thinking: bool = False) -> Task:
     msgs[first_call + 2:first_call + 2] = [recheck, {"role": "tool", "content": right}]
     return Task("calc_faulty", seed, task.tools, msgs, task.answer, task.check, thinking=thinking,
                 initial_files=task.initial_files)
+
+
+def check_share(name: str, value: float) -> None:
+    """A share of the generated data (a probability) in [0, 1], else a ValueError naming it."""
+    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise ValueError(f"{name} must be a share between 0 and 1, got {value!r}")
