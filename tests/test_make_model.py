@@ -12,8 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train(tmp_path: Path, run: Path) -> list[str]:
-    """Call make_model.sh's train() on `run`; return the arguments the stand-in `clover` got ([] if not called)."""
+def _train(tmp_path: Path, run: Path, procs: int = 1) -> list[str]:
+    """Call make_model.sh's train() on `run` with PROCS=`procs`; return the arguments the stand-in `clover` (or,
+    with several processes, `torchrun`, after its thread count) got ([] if not called)."""
     script = (ROOT / "scripts" / "make_model.sh").read_text()
     function = re.search(r"^train\(\) \{\n.*?^\}\n", script, re.S | re.M)
     assert function, "make_model.sh defines train() { ... } at the start of a line"
@@ -22,11 +23,16 @@ def _train(tmp_path: Path, run: Path) -> list[str]:
         bin_dir.mkdir()
         (bin_dir / "python").symlink_to(sys.executable)
     (bin_dir / "clover").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\nmkdir -p "$3"\n')
-    (bin_dir / "clover").chmod(0o755)
+    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "OMP_NUM_THREADS=$OMP_NUM_THREADS" "$@" '
+                                      '> "$RECORD"\nmkdir -p "$8"\n')
+    for tool in ("clover", "torchrun"):
+        (bin_dir / tool).chmod(0o755)
     record = tmp_path / "args.txt"
     record.unlink(missing_ok=True)
-    program = (f'set -euo pipefail\nBIN={bin_dir}; DTYPE=bfloat16; timed() {{ shift; "$@"; }}\n'
-               f'{function.group(0)}\ntrain "$1" --steps 9\n')
+    runner = re.search(r"^clover_train\(\) \{\n.*?^\}\n", script, re.S | re.M)
+    assert runner, "make_model.sh defines clover_train() { ... } at the start of a line"
+    program = (f'set -euo pipefail\nBIN={bin_dir}; DTYPE=bfloat16; PROCS={procs}; THREADS=3; timed() {{ shift; "$@"; }}\n'
+               f'{function.group(0)}{runner.group(0)}\ntrain "$1" --steps 9\n')
     subprocess.run(["bash", "-c", program, "make_model", str(run)], check=True, env={"RECORD": str(record),
                                                                                        "PATH": "/usr/bin:/bin"})
     return record.read_text().splitlines() if record.exists() else []
@@ -63,6 +69,15 @@ def test_a_run_without_a_checkpoint_starts_over_and_a_finished_one_is_skipped(tm
     assert _train(tmp_path, run) == []        # DONE
 
 
+def test_several_processes_train_through_torchrun(tmp_path):
+    """PROCS > 1: the same `clover train` arguments through torchrun, each process with THREADS threads."""
+    run = tmp_path / "runs" / "ar"
+    assert _train(tmp_path, run, procs=2) == ["OMP_NUM_THREADS=3", "--standalone", "--nproc_per_node", "2", "-m",
+                                              "clover", "train", "--out", str(run), "--steps", "9", "--dtype",
+                                              "bfloat16"]
+    assert (run / "DONE").exists()
+
+
 def test_editing_the_script_during_a_build_does_not_change_the_build(tmp_path):
     """bash reads a script as it runs it: a line added to the file during a build would run too. The whole
     recipe is one compound command, read before it starts. The stand-in `clover` appends a line to the copy
@@ -84,8 +99,23 @@ def test_editing_the_script_during_a_build_does_not_change_the_build(tmp_path):
     (data / "tokens" / "counts.json").write_text("{}")
     mark = tmp_path / "INJECTED"
     env = {"PATH": "/usr/bin:/bin", "BIN": str(bin_dir), "DATA": str(data), "RUNS": str(tmp_path / "runs"),
-           "OUT": str(tmp_path / "out"), "SCRIPT": str(script), "MARK": str(mark), "DTYPE": "float32"}
+           "OUT": str(tmp_path / "out"), "SCRIPT": str(script), "MARK": str(mark), "DTYPE": "float32", "PROCS": "1"}
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "scripts" / "make_model.sh.edited").exists()   # the file was edited during the build
     assert "== done" in done.stderr and not mark.exists()
+
+
+@pytest.mark.parametrize("setting", ["PROCS=0", "PROCS=two", "THREADS=0", "THREADS=1.5"])
+def test_a_bad_process_or_thread_count_stops_before_anything_runs(tmp_path, setting):
+    name, value = setting.split("=")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "clover").write_text('#!/usr/bin/env bash\ntouch "$MARK"\n')
+    (bin_dir / "clover").chmod(0o755)
+    mark = tmp_path / "RAN"
+    env = {"PATH": "/usr/bin:/bin", "BIN": str(bin_dir), "DATA": str(tmp_path / "data"), "RUNS": str(tmp_path / "runs"),
+           "MARK": str(mark), name: value}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "make_model.sh")], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "must be a whole number >= 1" in done.stderr, done.stderr
+    assert not mark.exists() and not (tmp_path / "data").exists()
