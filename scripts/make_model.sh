@@ -71,7 +71,7 @@ if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2> /dev/null; then DTYPE=${DTY
 # PROCS > 1 trains on that many processes (torchrun, DistributedDataParallel: gloo on CPU, each process with THREADS
 # threads; nccl on one GPU each where torch sees CUDA); each takes its share of the rows of every batch, so the
 # batches, masks and loss are those of one process and a run may change PROCS between sittings. On 2 cores it gained
-# little: 2 x 1 thread against 1 x 2 threads, 1.07x the tokens/s of AR pretraining and 0.99x of SFT (AVX2 EPYC,
+# little: 2 x 1 thread against 1 x 2 threads, 1.06x the tokens/s of AR pretraining and 0.99x of SFT (AVX2 EPYC,
 # session 38; one thread alone 0.56x), so the default is one process with every core.
 CORES=$(nproc 2> /dev/null || echo 1)
 PROCS=${PROCS:-1}
