@@ -90,8 +90,8 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
     r = cached("bpb", settings, lambda m, t: [scores.bits_per_byte(m, t, data, k, "val") for k in settings["kinds"]])
     for row in r:
         figures[f"bpb_{row['kind']}"] = row["model_bits_per_byte"]
-    settings = {"count": prompts, "thresholds": [0.95], "split": "val",
-                "shard_sha256": files_digest([Path(data) / "tokens" / "val_code.bin"])}
+    settings = {"count": prompts, "thresholds": [0.95], "split": "val",   # prompts in the model's own tokens
+                "code_sha256": files_digest([Path(data) / "raw" / "val" / "code.jsonl"])}
     r = cached("match", settings, lambda m, t: scores.continuation_match(m, t, data, prompts, thresholds=(0.95,),
                                                                         split="val"))
     rows = {(x["algorithm"], x["threshold"]): x for x in r["results"]}
@@ -156,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             weight_files(Path(d))
         except CheckpointError as exc:
             p.error(str(exc))
-    needed = [Path(a.data) / "tokens" / "val_code.bin",
-              *(Path(a.data) / "raw" / "val" / f"{kind}.jsonl" for kind in ("code", "english"))]
+    needed = [Path(a.data) / "raw" / "val" / f"{kind}.jsonl" for kind in ("code", "english")]
     missing = [str(f) for f in needed if not f.is_file()]
     if missing:
         p.error(f"{a.data} lacks {', '.join(missing)} (run `clover data build --out {a.data}` first)")

@@ -208,6 +208,7 @@ def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monke
     (["eval", "match", "--data", "d", "--prompts", "0"], "argument --prompts"),
     (["eval", "match", "--data", "d", "--thresholds", "0.9,nan"], "argument --thresholds"),
     (["eval", "copy", "--count", "0"], "argument --count"),
+    (["eval", "tasks", "--threshold", "5"], "argument --threshold: must be a number between 0 and 1, got 5"),
     (["eval", "agent", "--endpoint", "http://a/v1", "--model", "m", "--out", "o", "--condition", "{x: 1}"],
      "argument --condition: is not valid JSON"),
     (["bench", "serve", "--endpoint", "http://a/v1", "--extra-body", "[1]"], "argument --extra-body"),

@@ -75,8 +75,10 @@ def test_figures_are_kept_per_weights_and_measured_again_when_their_inputs_chang
     assert again() == []                                                      # all kept
     (data / "tokens" / "val_english.bin").write_bytes(b"")                    # read by no figure
     assert again() == []
-    (data / "tokens" / "val_code.bin").write_bytes(bytes(range(11)))          # the continuations' prompts
-    assert again() == ["match"]
+    (data / "tokens" / "val_code.bin").write_bytes(bytes(range(11)))          # read by no figure: prompts are
+    assert again() == []                                                      # cut from the documents
+    (data / "raw" / "val" / "code.jsonl").write_text('{"text": "z"}\n')      # the continuations' prompts, and
+    assert again() == ["bpb", "bpb", "match"]                                 # bits per byte's documents
     (data / "raw" / "val" / "english.jsonl").write_text('{"text": "y"}\n')   # bits per byte's documents
     assert again() == ["bpb", "bpb"]
     (model / "tokenizer.json").write_text("{}")                               # the model's tokenizer
@@ -97,4 +99,4 @@ def test_missing_inputs_are_named_before_anything_is_measured(tmp_path, capsys):
     (model / "model.safetensors").write_bytes(b"weights")
     with pytest.raises(SystemExit):
         compare.main([str(model), "--data", str(tmp_path)])
-    assert "val_code.bin" in capsys.readouterr().err
+    assert "code.jsonl" in capsys.readouterr().err

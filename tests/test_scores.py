@@ -44,10 +44,8 @@ def test_bits_per_byte_matches_a_direct_computation(tok, tmp_path):
 
 def test_continuation_match_rows_and_verify_equals_ar(tok, tmp_path):
     """Every decoder gets a row; verify's tokens equal ar's (same_as_ar 1.0), so its match is ar's."""
-    import numpy as np
-    ids = [i for i in tok.encode("def f(x):\n    return x * 2\n" * 40) if i != tok.special_ids["<|endoftext|>"]]
-    (tmp_path / "tokens").mkdir()
-    np.asarray(ids, dtype=np.uint16).tofile(tmp_path / "tokens" / "test_code.bin")
+    (tmp_path / "raw" / "test").mkdir(parents=True)
+    (tmp_path / "raw" / "test" / "code.jsonl").write_text(json.dumps({"text": "def f(x):\n    return x * 2\n" * 40}))
     config = CloverConfig.preset("debug", vocab_size=640, mask_token_id=tok.mask_token_id,
                                  eos_token_id=tok.eos_token_ids)
     got = scores.continuation_match(perturbed_model(config), tok, tmp_path, count=3, new_tokens=12,
@@ -61,13 +59,47 @@ def test_continuation_match_rows_and_verify_equals_ar(tok, tmp_path):
 
 def test_code_prompts_are_cut_from_the_split_asked_for(tok, tmp_path):
     """Model selection reads the val split (`clover eval match --split val`); the test split stays unread."""
-    import numpy as np
-    (tmp_path / "tokens").mkdir()
-    for split, value in (("val", 7), ("test", 9)):
-        np.full(400, value, dtype=np.uint16).tofile(tmp_path / "tokens" / f"{split}_code.bin")
-    for split, value in (("val", 7), ("test", 9)):
+    for split, text in (("val", "a = 1\n"), ("test", "b = 2\n")):
+        (tmp_path / "raw" / split).mkdir(parents=True)
+        (tmp_path / "raw" / split / "code.jsonl").write_text(json.dumps({"text": text * 200}) + "\n")
+    for split, text in (("val", "a = 1\n"), ("test", "b = 2\n")):
         pairs = scores.code_prompts(tok, tmp_path, 3, 16, split=split)
-        assert len(pairs) == 3 and all(set(p + t) == {value} and len(t) == 16 for p, t in pairs)
+        assert len(pairs) == 3 and all(len(t) == 16 for _, t in pairs)
+        assert all(set(tok.decode(p + t)) <= set(text) for p, t in pairs)
+
+
+def test_code_prompts_are_in_the_models_own_tokens(tok, tmp_path):
+    """The documents are encoded with the model's tokenizer, as the data's shards are with the data's: a model
+    with another tokenizer than the data's (the shipped one against a rebuilt data/, whose tokenizer differs)
+    gets prompts that read as the code, not the data's ids, which mean other tokens to it. With the data's
+    tokenizer the prompts are those of its token shard."""
+    import numpy as np
+
+    from clover.training.data import SPLITS, STREAMS, encode_corpus
+
+    code = "def area(width, height):\n    return width * height\n\n\nclass Shape:\n    pass\n"
+    (tmp_path / "raw" / "val").mkdir(parents=True)
+    (tmp_path / "raw" / "val" / "code.jsonl").write_text(
+        "".join(json.dumps({"text": code.replace("area", f"area{i}") * 8}) + "\n" for i in range(12)))
+    other = Tokenizer.train([code * 20, "some english words here " * 50], vocab_size=300)
+    assert not other.encodes_like(tok)
+    text = "".join(json.loads(line)["text"] for line in (tmp_path / "raw" / "val" / "code.jsonl").open())
+    for t in (tok, other):
+        pairs = scores.code_prompts(t, tmp_path, 5, 12, split="val")
+        assert all(t.decode(p + c) in text for p, c in pairs)
+    for split in SPLITS:   # encode_corpus reads every split and kind: the others empty
+        (tmp_path / "raw" / split).mkdir(exist_ok=True)
+        for kind in (*STREAMS, "chat"):
+            if not (tmp_path / "raw" / split / f"{kind}.jsonl").exists():
+                (tmp_path / "raw" / split / f"{kind}.jsonl").write_text("")
+    encode_corpus(tmp_path, tok)
+    shard = np.fromfile(tmp_path / "tokens" / "val_code.bin", dtype=np.uint16).tolist()
+    eos = tok.special_ids["<|endoftext|>"]
+    with pytest.raises(ValueError, match="too few documents long enough"):   # no endless redrawing
+        scores.code_prompts(tok, tmp_path, 5, len(shard) // 2, split="val")
+    for p, c in scores.code_prompts(tok, tmp_path, 5, 12, split="val"):
+        window = p + c
+        assert any(shard[i: i + len(window)] == window for i in range(len(shard) - len(window) + 1)) and eos not in window
 
 
 def test_copy_kinds_tell_copied_numbers_from_computed_ones():

@@ -517,6 +517,35 @@ def test_distill_data_holds_the_models_own_greedy_outputs_and_trains(data_dir, t
     assert math.isfinite(run["loss"])
 
 
+def test_a_checkpoint_of_another_tokenizer_is_refused_for_training_and_distillation(data_dir, tmp_path):
+    """The data's ids would mean other tokens to it: training or distilling from it would go on silently wrong.
+    Weights with no tokenizer beside them are refused only where the data's ids fall outside their vocabulary."""
+    from clover.model.checkpoint import save_checkpoint
+    from clover.model.tokenizer import TokenizerError
+    from clover.training.distill import build_distill_data
+
+    other = Tokenizer.train(["completely different words, " * 40, "def g(y):\n    return y\n" * 30], vocab_size=400)
+    model = CloverForCausalLM(CloverConfig.preset("debug", mask_token_id=other.mask_token_id,
+                                                  eos_token_id=other.eos_token_ids))
+    save_checkpoint(model, tmp_path / "m", extra_files=other.files())
+    with pytest.raises(TokenizerError, match="trained with another tokenizer"):
+        train(_cfg(data_dir, tmp_path / "run", init=str(tmp_path / "m")))
+    with pytest.raises(TokenizerError, match="trained with another tokenizer"):
+        build_distill_data(tmp_path / "m", data_dir, tmp_path / "d", chat=2, code=1, new_tokens=4, batch=2)
+    assert not (tmp_path / "d").exists()
+    tok = Tokenizer.load(data_dir / "tokenizer")
+    for vocab, refused in ((tok.vocab_size - 1, True), (tok.vocab_size, False)):
+        bare = CloverForCausalLM(CloverConfig.preset("debug", vocab_size=vocab, mask_token_id=tok.mask_token_id,
+                                                     eos_token_id=tok.eos_token_ids))
+        save_checkpoint(bare, tmp_path / f"bare{vocab}")
+        run = tmp_path / f"run{vocab}"
+        if refused:
+            with pytest.raises(TokenizerError, match=f"the model in .* only {vocab}"):
+                train(_cfg(data_dir, run, init=str(tmp_path / f"bare{vocab}"), steps=1))
+        else:
+            assert math.isfinite(train(_cfg(data_dir, run, init=str(tmp_path / f"bare{vocab}"), steps=1))["loss"])
+
+
 def test_resume_refuses_a_trainer_state_that_would_run_code(data_dir, tmp_path):
     from clover.model.checkpoint import CheckpointError
 
@@ -597,7 +626,8 @@ def test_a_corrupt_trainer_state_is_named_before_anything_runs(data_dir, tmp_pat
     good, log = state.read_bytes(), (run / "log.jsonl").read_text()
     saved = torch.load(state, weights_only=True)
     for content, message in ((good[:100], "cut short or corrupt"), (b"", "cut short or corrupt"),
-                             (b"\x00garbage" * 8, "cut short or corrupt"), ([1, 2], "not a trainer state"),
+                             (b"\x00garbage" * 8, "cut short or corrupt"), (b"junk\n", "cut short or corrupt"),
+                             ([1, 2], "not a trainer state"),
                              ({**saved, "step": -5}, "not a trainer state"), ({**saved, "step": "3"}, "not a trainer state"),
                              ({**saved, "config": {**saved["config"], "new_knob": 1}}, "does not know: \\['new_knob'\\]"),
                              ({**saved, "step": 9}, "at step 9, past --steps 6")):

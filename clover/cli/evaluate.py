@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clover.cli.options import (
-    finite_float,
     json_object,
     nonnegative_int,
     positive_float,
     positive_int,
     rate,
+    threshold,
     thresholds,
 )
 from clover.engine.sampling import ALGORITHMS
@@ -253,7 +253,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
             e.add_argument("--max-tokens", type=positive_int, default=160)
             e.add_argument("--thinking", default="both", choices=["on", "off", "both"])
             e.add_argument("--algorithm", choices=list(ALGORITHMS), help="(default: the model's generation config)")
-            e.add_argument("--threshold", type=finite_float, help="(default: the model's generation config)")
+            e.add_argument("--threshold", type=threshold, help="(default: the model's generation config)")
         e.set_defaults(func=cmd_eval)
 
 

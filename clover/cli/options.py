@@ -56,6 +56,11 @@ def rate(text: str) -> float:
     return _number(text, float, lambda v: v > 0, "a positive number (inf: all at once)")
 
 
+def threshold(text: str) -> float:
+    """`--threshold 0.9`: a confidence threshold in [0, 1] (as `SamplingParams` takes it)."""
+    return _number(text, float, lambda v: 0 <= v <= 1, "a number between 0 and 1")
+
+
 def thresholds(text: str) -> tuple[float, ...]:
     """`--thresholds 0.7,0.9`: confidence thresholds in (0, 1]."""
     try:

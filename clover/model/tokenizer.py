@@ -171,6 +171,25 @@ class Tokenizer:
             raise TokenizerError(f"{path} could not be read: {exc}") from exc
         return cls(tk, read_chat_template(directory))
 
+    def encodes_like(self, other: Tokenizer) -> bool:
+        """Whether `other` turns text into the same ids: the same normaliser, pre-tokenizer, vocabulary and
+        merges, and special tokens (the chat template aside)."""
+        mine, theirs = json.loads(self.tk.to_str()), json.loads(other.tk.to_str())
+        return all(mine.get(k) == theirs.get(k) for k in ("normalizer", "pre_tokenizer", "model", "added_tokens"))
+
+    def check_model(self, model_dir: str | os.PathLike, vocab_size: int, source: str) -> None:
+        """Refuse a checkpoint (in `model_dir`, `vocab_size` rows) for ids made by this tokenizer (from `source`)
+        where they would mean other tokens: its own tokenizer encodes differently, or, with none beside the
+        weights, its vocabulary is too small for these ids."""
+        if (Path(model_dir) / "tokenizer.json").is_file():
+            if not Tokenizer.load(model_dir).encodes_like(self):
+                raise TokenizerError(f"{model_dir} was trained with another tokenizer than {source}'s: its ids would "
+                                     f"read as other tokens (build the data with `clover data build --tokenizer "
+                                     f"{model_dir}`, or start from a checkpoint trained on this data)")
+        elif self.vocab_size > vocab_size:
+            raise TokenizerError(f"{source}'s tokenizer has {self.vocab_size} tokens, the model in {model_dir} only "
+                                 f"{vocab_size}")
+
     def files(self) -> dict[str, str]:
         """The files that describe this tokenizer, for writing into a checkpoint directory."""
         config = {

@@ -54,6 +54,7 @@ def build_distill_data(model_dir: str | Path, data: str | Path, out: str | Path,
     data, out = Path(data), Path(out)
     tok = Tokenizer.load(data / "tokenizer")
     model = load_checkpoint(model_dir, dtype="float32").eval()
+    tok.check_model(model_dir, model.config.vocab_size, f"the data in {data}")
     engine = Engine(model, tok, max_batch_size=batch)
     eos = tok.special_ids[EOS_TOKEN]
     rng = random.Random(seed)

@@ -87,18 +87,34 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
 
 def code_prompts(tok: Tokenizer, data: str | Path, count: int, new_tokens: int, seed: int = 0,
                  split: str = "test") -> list[tuple[list[int], list[int]]]:
-    """(prompt, true continuation) pairs cut at random places of the split's code documents."""
-    stream = np.fromfile(Path(data) / "tokens" / f"{split}_code.bin", dtype=np.uint16).astype(np.int64)
+    """(prompt, true continuation) pairs cut at random places of the split's code documents, in `tok`'s ids
+    (the model's: the documents are encoded here, as `clover data build` encodes them for its own tokenizer,
+    so a model with the data's tokenizer gets the prompts of its token shard, and one with another tokenizer
+    prompts it can read rather than ids that mean other tokens to it)."""
     eos = tok.special_ids[EOS_TOKEN]
+    ids: list[int] = []
+    for doc in read_raw(data, split, "code"):
+        if not isinstance(doc.get("text"), str):
+            raise ValueError(f"{Path(data) / 'raw' / split}/code.jsonl: needs documents, each with a \"text\" string")
+        ids += tok.encode(doc["text"]) + [eos]
+    stream = np.asarray(ids, dtype=np.int64)
+    if len(stream) <= 192 + new_tokens:
+        raise ValueError(f"{Path(data) / 'raw' / split}/code.jsonl: too little code for prompts of up to 192 tokens "
+                         f"and {new_tokens} more")
     rng = random.Random(seed)
     pairs = []
-    while len(pairs) < count:
+    for _ in range(1000 * count):   # draws whose window crosses a document's end are drawn again
+        if len(pairs) == count:
+            break
         plen = rng.randint(64, 192)
         start = rng.randrange(0, len(stream) - plen - new_tokens)
         window = stream[start: start + plen + new_tokens].tolist()
         if eos in window:  # stay inside one document
             continue
         pairs.append((window[:plen], window[plen:]))
+    if len(pairs) < count:
+        raise ValueError(f"{Path(data) / 'raw' / split}/code.jsonl: too few documents long enough for a prompt of 64 to "
+                         f"192 tokens and {new_tokens} more")
     return pairs
 
 

@@ -159,7 +159,9 @@ def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the preset only {config.vocab_size}")
         return CloverForCausalLM.from_scratch(config, cfg.seed, cfg.gdn_gate_z, cfg.gdn_dt_max).to(device)
-    return load_checkpoint(cfg.init, dtype="float32", device=device)
+    model = load_checkpoint(cfg.init, dtype="float32", device=device)
+    tokenizer.check_model(cfg.init, model.config.vocab_size, f"the data in {cfg.data}")
+    return model
 
 
 def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -403,7 +405,8 @@ def _read_state(path: Path) -> dict:
             raise CheckpointError(f"{path} is cut short or corrupt (not a pickle torch.load reads)") from None
         raise CheckpointError(f"{path} holds more than optimizer state and settings (refused, nothing was run): "
                               f"{crafted[0]}") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        # (text that is no zip archive goes to the legacy unpickler, which fails in many ways: `junk` is a KeyError)
         raise CheckpointError(f"{path} is cut short or corrupt: {str(exc).splitlines()[0] if str(exc) else exc!r}") \
             from None
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
