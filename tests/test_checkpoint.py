@@ -287,6 +287,22 @@ def test_convert_keeps_causal_logits_and_adds_neutral_extras(tmp_path, debug_con
     assert torch.equal(model.model.embed_tokens.weight[:-1], original[:-1])
 
 
+def test_converting_a_clover_checkpoint_says_the_mask_row_is_reset_or_keeps_it(tmp_path, debug_config, capsys):
+    """Found by a hostile pass: `clover convert` of the shipped model silently reset its trained mask row (its
+    block diffusion then wrote nonsense). The recipe converts its AR parent, a Clover checkpoint whose row no
+    training touched, so the reset stays the default; it is said, and --keep-mask-row keeps the row."""
+    torch.manual_seed(0)
+    save_checkpoint(CloverForCausalLM(debug_config), tmp_path / "c")
+    row = load_checkpoint(tmp_path / "c").model.embed_tokens.weight[debug_config.mask_token_id].clone()
+    assert cli_main(["convert", str(tmp_path / "c"), str(tmp_path / "reset")]) == 0
+    assert "is a Clover checkpoint; its mask token's row" in capsys.readouterr().err
+    assert not torch.equal(load_checkpoint(tmp_path / "reset").model.embed_tokens.weight[debug_config.mask_token_id],
+                           row)
+    assert cli_main(["convert", str(tmp_path / "c"), str(tmp_path / "kept"), "--keep-mask-row"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert torch.equal(load_checkpoint(tmp_path / "kept").model.embed_tokens.weight[debug_config.mask_token_id], row)
+
+
 def test_sanitize_packs_per_expert_tensors_and_drops_extras():
     gate, up, down = torch.randn(3, 4), torch.randn(3, 4), torch.randn(4, 3)
     tensors = {f"model.language_model.layers.0.mlp.experts.{e}.{n}.weight": t * (e + 1)

@@ -100,7 +100,15 @@ def _source_and_target(source: str, target: str) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     _source_and_target(args.source, args.target)
     config = convert_transformers_checkpoint(args.source, args.target, dtype=args.dtype, block_size=args.block_size,
-                                             mask_token_id=args.mask_token_id)
+                                             mask_token_id=args.mask_token_id, keep_mask_row=args.keep_mask_row)
+    try:
+        clover_source = "mask_token_id" in json.loads((Path(args.source) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        clover_source = False
+    if clover_source and not args.keep_mask_row:   # (the recipe converts its AR parent, a Clover checkpoint, so)
+        print(f"note: {args.source} is a Clover checkpoint; its mask token's row ({config.mask_token_id}) was reset to "
+              "the mean embedding, as for an AR parent: one trained for block diffusion loses what that row learnt "
+              "(--keep-mask-row keeps it)", file=sys.stderr)
     total, active = config.num_parameters()
     print(f"converted {args.source} -> {args.target}: {_human(total)} total / {_human(active)} active parameters, "
           f"block_size {config.block_size}, mask_token_id {config.mask_token_id}")
@@ -186,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="diffusion block size (default 32)")
     p.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's mask token where SOURCE has a "
                                                           "Clover tokenizer, else the last vocabulary row)")
+    p.add_argument("--keep-mask-row", action="store_true",
+                   help="keep the mask token's embedding row as it is (default: the mean embedding, for an AR source)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("export", help="write a checkpoint's causal model as a plain transformers checkpoint",

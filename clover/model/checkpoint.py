@@ -319,12 +319,13 @@ def sanitize_transformers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 def convert_transformers_checkpoint(
     source: str | os.PathLike, target: str | os.PathLike, dtype: str | torch.dtype | None = None,
-    block_size: int | None = None, mask_token_id: int | None = None,
+    block_size: int | None = None, mask_token_id: int | None = None, keep_mask_row: bool = False,
 ) -> CloverConfig:
     """Turn a transformers `Qwen3_5MoeForCausalLM` (or multimodal) checkpoint into a Clover one.
 
     Backbone tensors are kept exactly; the Clover GDN extras start at their neutral init, which
-    leaves causal mode unchanged; the mask token's embedding row is set to the mean embedding.
+    leaves causal mode unchanged; the mask token's embedding row is set to the mean embedding (an AR
+    model never trained it), unless `keep_mask_row` (a source already trained for block diffusion).
     """
     source = Path(source)
     cfg_path = source / "config.json"
@@ -355,7 +356,7 @@ def convert_transformers_checkpoint(
     if emb is not None and tuple(emb.shape) != (config.vocab_size, config.hidden_size):
         raise CheckpointError(f"{source}: model.embed_tokens.weight is {tuple(emb.shape)}, config.json says "
                               f"({config.vocab_size}, {config.hidden_size})")
-    if emb is not None:
+    if emb is not None and not keep_mask_row:
         emb = emb.clone()
         emb[config.mask_token_id] = emb.float().mean(0).to(emb.dtype)
         tensors["model.embed_tokens.weight"] = emb
