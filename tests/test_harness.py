@@ -198,6 +198,17 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
     assert len((cut / "results.jsonl").read_text().splitlines()) == 64
     with pytest.raises(ValueError, match="already holds a run"):
         harness.run_harness(_cfg(url), cut)
+    # a directory with files of the names a run writes, and no run to resume: someone else's (a hostile pass
+    # found them overwritten); other files do not stop a run, which leaves them alone
+    other = tmp_path / "other"
+    other.mkdir()
+    for name, text in (("report.md", "mine"), ("summary.json", '{"mine": 1}'), ("notes.previous.md", "kept")):
+        (other / name).write_text(text)
+    with pytest.raises(ValueError, match="holds summary.json, report.md but no results.jsonl"):
+        harness.run_harness(_cfg(url), other)
+    assert (other / "report.md").read_text() == "mine" and not (other / "metadata.json").exists()
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        harness.run_harness(_cfg(url), other / "report.md")
     with pytest.raises(ValueError, match="other conditions, max_tokens"):   # not mixed with other settings' runs
         cfg = _cfg(url, max_tokens=64)
         cfg.conditions = [{"algorithm": "verify"}]

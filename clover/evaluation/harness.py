@@ -194,6 +194,12 @@ def _resume_settings(meta: dict) -> dict:
     return out
 
 
+# what a run writes into its directory besides results.jsonl (other files there are left alone: notes.md, a
+# hand-written reading, is read into the report)
+RUN_FILES = ("metadata.json", "summary.json", "report.md", "tasks", "latency_layers.png", "dispersion.png",
+             "success_vs_time.png")
+
+
 def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> dict:
     out = Path(out)
     results_path = out / "results.jsonl"
@@ -205,6 +211,13 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
         previous = [record for _, record in whole]
     elif results_path.exists():
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    elif out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory for the run; choose another --out")
+    else:   # a new run writes these: files of those names and no run to resume are someone else's
+        held = [name for name in RUN_FILES if (out / name).exists()]
+        if held:
+            raise ValueError(f"{out} holds {', '.join(held)} but no results.jsonl of a run to resume: a new run would "
+                             "overwrite them; choose another --out (or move them)")
     tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite)]  # fails before any file is written
     out.mkdir(parents=True, exist_ok=True)
     meta = _metadata(cfg)
