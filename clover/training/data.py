@@ -277,8 +277,10 @@ class TokenData:
             raise ValueError("whole packing needs pack")
         self.mix = {k: w for k, w in mix.items() if w > 0}
         self.pack, self.whole = pack, whole
-        unknown = set(self.mix) - set(KINDS)
-        if unknown or not self.mix:
+        unknown = sorted(set(mix) - set(KINDS))
+        if unknown:
+            raise ValueError(f"mix names {', '.join(map(repr, unknown))}, not a kind of data; the kinds are {list(KINDS)}")
+        if not self.mix:
             raise ValueError(f"mix must weight some of {list(KINDS)}, got {mix}")
         self.eos_id = eos_id
         root = Path(directory) / "tokens"

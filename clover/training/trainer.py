@@ -31,7 +31,7 @@ from clover.model.config import CloverConfig
 from clover.model.files import json_lines, recover_directory, write_text_atomic
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer
-from clover.training.data import Batch, TokenData
+from clover.training.data import KINDS, Batch, TokenData
 from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
 
 INIT_ONLY = ("gdn_gate_z", "gdn_dt_max")   # TrainConfig fields read only when random weights are made
@@ -79,9 +79,15 @@ class TrainConfig:
 
     def mix_weights(self) -> dict[str, float]:
         try:
-            weights = {k.strip(): float(v) for k, v in (part.split("=") for part in self.mix.split(","))}
+            pairs = [(k.strip(), float(v)) for k, v in (part.split("=") for part in self.mix.split(","))]
         except ValueError as exc:
             raise ValueError(f"mix must look like 'code=0.5,english=0.3,chat=0.2', got {self.mix!r}") from exc
+        weights = dict(pairs)
+        if len(weights) < len(pairs):
+            raise ValueError(f"mix names a kind twice: {self.mix!r}")
+        unknown = sorted(set(weights) - set(KINDS))
+        if unknown:
+            raise ValueError(f"mix names {', '.join(map(repr, unknown))}, not a kind of data; the kinds are {list(KINDS)}")
         if not all(0 <= w < math.inf for w in weights.values()) or not sum(weights.values()) > 0:
             raise ValueError(f"mix weights must be finite numbers >= 0, some of them positive, got {self.mix!r}")
         return weights
