@@ -213,7 +213,8 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     elif out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a directory for the run; choose another --out")
-    else:   # a new run writes these: files of those names and no run to resume are someone else's
+    elif not resume:   # a new run writes these: files of those names and no run to resume are someone else's
+        # (with --resume they are a run's killed before its first result: its metadata.json)
         held = [name for name in RUN_FILES if (out / name).exists()]
         if held:
             raise ValueError(f"{out} holds {', '.join(held)} but no results.jsonl of a run to resume: a new run would "
