@@ -128,17 +128,28 @@ def test_generate_offers_tools_in_the_chat_turn_and_lists_calls(text_model, tmp_
         assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_generate_takes_one_prompt_and_names_a_file_that_is_not_text(text_model, tmp_path):
+    (tmp_path / "p.txt").write_text("def f():")
+    (tmp_path / "b.bin").write_bytes(b"\xff\xfe\x00bad")
+    both = _run("generate", "hi", "--file", str(tmp_path / "p.txt"), "--model", text_model)
+    assert both.returncode == 1 and "as an argument or with --file, not both" in both.stderr
+    binary = _run("generate", "--file", str(tmp_path / "b.bin"), "--model", text_model)
+    assert binary.returncode == 1 and f"{tmp_path / 'b.bin'} is not UTF-8 text" in binary.stderr
+    assert "Traceback" not in both.stderr + binary.stderr
+
+
 def test_generate_unknown_model_path():
     out = _run("generate", "hi", "--model", "/nonexistent/model")
     assert out.returncode == 1 and "does not exist" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_chat_session(text_model):
-    script = "hello\n/think off\nhow are you\n/bogus\n/reset\n/exit\n"
+    script = "hello\n/think off\n/think maybe\nhow are you\n/bogus\n/reset\n/exit\n"
     out = _run("chat", "--model", text_model, "--max-new-tokens", "8", stdin=script)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("forwards, TPF") == 2
     assert "(thinking off)" in out.stdout and "unknown command /bogus" in out.stdout
+    assert "/think takes on or off" in out.stdout and "(thinking on)" not in out.stdout
     assert "(history cleared)" in out.stdout
 
 
@@ -240,3 +251,14 @@ def test_bad_values_the_parser_cannot_see_are_one_line_errors(text_model, tmp_pa
     assert cli_main([{"MODEL": text_model, "OUT": out}.get(a, a) for a in args]) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not Path(out).exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--vocab-size", "10"], "--vocab-size must be in [266, 65535]"),
+    (["--vocab-size", "100000"], "--vocab-size must be in [266, 65535]"),
+    (["--tokenizer", "/nonexistent/tok"], "no tokenizer.json in /nonexistent/tok"),
+])
+def test_data_build_refuses_a_bad_vocabulary_or_tokenizer_before_building_the_corpus(tmp_path, args, message, capsys):
+    """Found by a hostile pass: these failed only after the corpus was built (minutes), leaving its files."""
+    assert cli_main(["data", "build", "--out", str(tmp_path / "d"), "--cache", str(tmp_path / "cache"), *args]) == 1
+    assert message in capsys.readouterr().err and not (tmp_path / "d").exists() and not (tmp_path / "cache").exists()

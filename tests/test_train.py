@@ -583,7 +583,7 @@ def test_train_config_refuses_a_gdn_decay_range_it_cannot_draw():
     ({"mix": "code=0"}, "mix weights"), ({"eval_batches": 0}, "eval_batches"), ({"aux_loss_coef": -1.0}, "aux_loss"),
     ({"pack_whole": True}, "needs pack"), ({"twin_coupling": -0.5}, "twin_coupling"),
     ({"twin_coupling": math.nan}, "twin_coupling"), ({"mix": "code=1,code=2"}, "names a kind twice"),
-    ({"mix": "code=1,chat=1,bogus=1"}, "mix names 'bogus', not a kind of data"),
+    ({"mix": "code=1,chat=1,bogus=1"}, "mix names 'bogus', not a kind of data"), ({"seq_len": 1}, "seq_len must be at least 2"),
 ])
 def test_train_config_refuses_values_that_would_train_nonsense(change, message):
     """Each of these was accepted and trained before (a NaN weight decay, a negative clip, a NaN loss weight):

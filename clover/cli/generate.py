@@ -94,7 +94,12 @@ def _read_tools(path: str) -> list[dict]:
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.file:
-        return Path(args.file).read_text()
+        if args.prompt is not None:
+            raise ValueError("give the prompt as an argument or with --file, not both")
+        try:
+            return Path(args.file).read_text()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{args.file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if args.prompt is not None and args.prompt != "-":
         return args.prompt
     if sys.stdin.isatty() and args.prompt is None:
@@ -248,13 +253,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages = []
             print(f"{DIM}(history cleared){RESET}")
             continue
-        if line.startswith("/think"):
-            thinking = line.split()[-1] != "off"
-            print(f"{DIM}(thinking {'on' if thinking else 'off'}){RESET}")
-            continue
-        if line.startswith("/steps"):
-            show_steps = line.split()[-1] != "off"
-            params = params.with_(record_steps=show_steps or bool(args.trace))
+        if line.split()[0] in ("/think", "/steps"):
+            command, *rest = line.split()
+            if rest not in (["on"], ["off"]):
+                print(f"{DIM}{command} takes on or off{RESET}")
+                continue
+            if command == "/think":
+                thinking = rest == ["on"]
+                print(f"{DIM}(thinking {'on' if thinking else 'off'}){RESET}")
+            else:
+                show_steps = rest == ["on"]
+                params = params.with_(record_steps=show_steps or bool(args.trace))
             continue
         if line.startswith("/"):
             print(f"{DIM}unknown command {line.split()[0]}; try /think, /steps, /reset, /exit{RESET}")

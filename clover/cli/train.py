@@ -14,7 +14,7 @@ from pathlib import Path
 from clover.cli.options import nonnegative_int, positive_int
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
 from clover.model.files import check_replaceable, json_lines
-from clover.model.tokenizer import Tokenizer
+from clover.model.tokenizer import SPECIAL_TOKENS, Tokenizer
 from clover.training.data import build_corpus, encode_corpus, read_raw
 from clover.training.trainer import TrainConfig, train
 
@@ -24,6 +24,15 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     if args.tokenizer and args.isolate_spaces:
         raise ValueError("--isolate-spaces trains a tokenizer: it cannot apply to the one --tokenizer names")
     check_replaceable(out, "manifest.json", "a data directory")
+    # what would fail after minutes of corpus building fails now: a tokenizer that does not load, a vocabulary
+    # Tokenizer.train refuses or the uint16 token shards cannot hold
+    tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else None
+    smallest = 256 + len(SPECIAL_TOKENS)
+    if tokenizer is None and not smallest <= args.vocab_size <= 65535:
+        raise ValueError(f"--vocab-size must be in [{smallest}, 65535] (every byte and the special tokens take "
+                         f"{smallest}; the token shards are uint16), got {args.vocab_size}")
+    if tokenizer is not None and tokenizer.vocab_size > 65535:
+        raise ValueError(f"{args.tokenizer} has {tokenizer.vocab_size} tokens: the uint16 token shards hold 65,535")
     t0 = time.perf_counter()
     counts = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
     recall = {"train": args.recall_train, "val": args.recall_eval, "test": args.recall_eval}
@@ -32,9 +41,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     print(f"corpus: {sum(s.get('train', {}).get('documents', 0) for s in manifest['sources'].values())} training "
           f"documents from {len(manifest['sources'])} sources ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     tokenizer_path = out / "tokenizer"
-    if args.tokenizer:
-        tokenizer = Tokenizer.load(args.tokenizer)
-    else:
+    if tokenizer is None:
         tokenizer = Tokenizer.train(_tokenizer_texts(out, args.tokenizer_bytes), vocab_size=args.vocab_size,
                                     isolate_spaces=args.isolate_spaces)
     tokenizer.save(tokenizer_path)

@@ -98,6 +98,8 @@ class TrainConfig:
                      "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be at least 2 (a row predicts its tokens from the ones before), got {self.seq_len}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if not 0 < self.lr < 1 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
