@@ -354,6 +354,48 @@ def test_commands_never_replace_what_is_not_theirs(tmp_path, capsys):
     assert "would replace --data" in capsys.readouterr().err
 
 
+def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatch, capsys):
+    """`data build` writes a temp dir beside --out and swaps it in whole (found by a hostile pass: a build killed
+    part way left a directory that the next build refused, and over an earlier build it had already replaced
+    part of that corpus)."""
+    import clover.cli.train as train_cli
+
+    data = tmp_path / "d"
+    (data / "tokens").mkdir(parents=True)
+    (data / "manifest.json").write_text("earlier")
+    (data / "tokens" / "train_code.bin").write_bytes(b"earlier tokens")
+
+    def killed(out, *args, **kwargs):
+        (Path(out) / "raw").mkdir()
+        raise OSError("killed")
+
+    monkeypatch.setattr(train_cli, "build_corpus", killed)
+    assert cli_main(["data", "build", "--out", str(data), "--tokenizer", str(SHIPPED)]) == 1
+    assert "killed" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temp dir left
+    assert (data / "manifest.json").read_text() == "earlier"
+    assert (data / "tokens" / "train_code.bin").read_bytes() == b"earlier tokens"
+
+    leftover = tmp_path / ".d.tmp-killed9"  # what a SIGKILL leaves: no cleanup ran
+    (leftover / "raw").mkdir(parents=True)
+
+    def corpus(out, *args, **kwargs):
+        (Path(out) / "raw").mkdir()
+        (Path(out) / "manifest.json").write_text("new")
+        return {"sources": {}}
+
+    monkeypatch.setattr(train_cli, "build_corpus", corpus)
+    monkeypatch.setattr(train_cli, "encode_corpus", lambda out, tok: {"train_code": 0})
+    assert cli_main(["data", "build", "--out", str(data), "--tokenizer", str(SHIPPED)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    assert sorted(p.name for p in data.iterdir()) == ["manifest.json", "raw", "tokenizer"]
+    assert (data / "manifest.json").read_text() == "new"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (data / "raw").stat().st_mode & 0o777 == 0o777 & ~umask   # a directory keeps its x bits
+    assert (data / "tokenizer" / "tokenizer.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_saved_checkpoints_follow_the_umask_not_the_temp_dir_mode(tmp_path, debug_model):
     save_checkpoint(debug_model, tmp_path / "ck")
     umask = os.umask(0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from clover.cli.options import nonnegative_int, positive_int
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
-from clover.model.files import check_replaceable, json_lines
+from clover.model.files import check_replaceable, json_lines, write_directory
 from clover.model.tokenizer import SMALLEST_VOCAB, Tokenizer
 from clover.training.data import SHARD_VOCAB, build_corpus, encode_corpus, read_raw
 from clover.training.trainer import TrainConfig, train
@@ -33,19 +33,25 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     if tokenizer is not None and tokenizer.vocab_size > SHARD_VOCAB:
         raise ValueError(f"{args.tokenizer} has {tokenizer.vocab_size} tokens: the uint16 token shards hold {SHARD_VOCAB}")
     t0 = time.perf_counter()
-    counts = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
-    recall = {"train": args.recall_train, "val": args.recall_eval, "test": args.recall_eval}
-    manifest = build_corpus(out, args.cache, counts, recall, coin_values=args.coin_values,
-                            recall_crossing=args.recall_crossing)
-    print(f"corpus: {sum(s.get('train', {}).get('documents', 0) for s in manifest['sources'].values())} training "
-          f"documents from {len(manifest['sources'])} sources ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
-    tokenizer_path = out / "tokenizer"
-    if tokenizer is None:
-        tokenizer = Tokenizer.train(_tokenizer_texts(out, args.tokenizer_bytes), vocab_size=args.vocab_size,
-                                    isolate_spaces=args.isolate_spaces)
-    tokenizer.save(tokenizer_path)
-    print(f"tokenizer: {tokenizer.vocab_size} tokens ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
-    counts = encode_corpus(out, tokenizer)
+    counts: dict = {}
+
+    def fill(tmp: Path) -> None:
+        # built in a temp dir beside --out and swapped in whole: a build killed at any point leaves the
+        # directory as it was (and the next build removes the leftover)
+        chats = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
+        recall = {"train": args.recall_train, "val": args.recall_eval, "test": args.recall_eval}
+        manifest = build_corpus(tmp, args.cache, chats, recall, coin_values=args.coin_values,
+                                recall_crossing=args.recall_crossing)
+        print(f"corpus: {sum(s.get('train', {}).get('documents', 0) for s in manifest['sources'].values())} "
+              f"training documents from {len(manifest['sources'])} sources ({time.perf_counter() - t0:.0f}s)",
+              file=sys.stderr)
+        tok = tokenizer if tokenizer is not None else Tokenizer.train(
+            _tokenizer_texts(tmp, args.tokenizer_bytes), vocab_size=args.vocab_size, isolate_spaces=args.isolate_spaces)
+        tok.save(tmp / "tokenizer")
+        print(f"tokenizer: {tok.vocab_size} tokens ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+        counts.update(encode_corpus(tmp, tok))
+
+    write_directory(out, fill)
     print(json.dumps({"tokens": counts, "directory": str(out)}))
     return 0
 

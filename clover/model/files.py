@@ -102,6 +102,18 @@ def recover_directory(target: str | os.PathLike) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def _share(tmp: Path) -> None:
+    """Give what a writer made in its temp dir the modes the umask gives any new file: mkdtemp and mkstemp make
+    them private, and a checkpoint or corpus is as shareable as any file. Links are left alone (chmod would follow
+    them to what they point at)."""
+    os.chmod(tmp, 0o777 & ~_UMASK)
+    for root, dirs, files in os.walk(tmp):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, (0o777 if name in dirs else 0o666) & ~_UMASK)
+
+
 def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> None:
     """Create `target` atomically: `fill(tmp_dir)` writes into a sibling temp dir that is renamed into place.
     A crash at any point leaves either the old or the new version (`recover_directory` completes a swap)."""
@@ -111,9 +123,7 @@ def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         fill(tmp)
-        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes it private; a checkpoint is as shareable as any file
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~_UMASK)
+        _share(tmp)
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)

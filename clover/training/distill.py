@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 from clover.engine.engine import Engine
 from clover.engine.sampling import SamplingParams
 from clover.model.checkpoint import load_checkpoint
+from clover.model.files import write_directory
 from clover.model.tokenizer import EOS_TOKEN, IM_END, Tokenizer
 from clover.training.data import read_raw
 
@@ -72,9 +72,6 @@ def build_distill_data(model_dir: str | Path, data: str | Path, out: str | Path,
             code_prompts.append(window)
     continuations = engine.generate(code_prompts, params.with_(ignore_eos=True))
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "tokens").mkdir(parents=True)
     all_ids, all_mask, offsets = [], [], [0]
     turn_end = tok.encode(IM_END + "\n")  # how the chat template closes an assistant turn
     for p, r in zip(prompts, replies, strict=True):
@@ -82,22 +79,25 @@ def build_distill_data(model_dir: str | Path, data: str | Path, out: str | Path,
         all_ids += p + reply + [eos]
         all_mask += [0] * len(p) + [1] * len(reply) + [0]
         offsets.append(len(all_ids))
-    np.savez(tmp / "tokens" / "train_chat.npz", ids=np.asarray(all_ids, dtype=np.uint16),
-             mask=np.asarray(all_mask, dtype=np.uint8), offsets=np.asarray(offsets, dtype=np.int64))
     code_ids: list[int] = []
     for p, r in zip(code_prompts, continuations, strict=True):
         code_ids += p + r.token_ids + [eos]
-    np.asarray(code_ids, dtype=np.uint16).tofile(tmp / "tokens" / "train_code.bin")
-    for f in (data / "tokens").iterdir():
-        if not (tmp / "tokens" / f.name).exists() and f.name != "counts.json":
-            (tmp / "tokens" / f.name).symlink_to(f.resolve())
-    for name in ("tokenizer", "manifest.json", "raw"):
-        (tmp / name).symlink_to((data / name).resolve())
     counts = {"train_chat": len(all_ids), "train_code": len(code_ids), "chat_examples": len(prompts),
               "code_examples": len(code_prompts), "reply_tokens": sum(len(r.token_ids) for r in replies),
               "model": str(model_dir), "source": str(data), "new_tokens": new_tokens,
               "seconds": time.perf_counter() - t0}
-    (tmp / "tokens" / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+
+    def fill(tmp: Path) -> None:
+        (tmp / "tokens").mkdir()
+        np.savez(tmp / "tokens" / "train_chat.npz", ids=np.asarray(all_ids, dtype=np.uint16),
+                 mask=np.asarray(all_mask, dtype=np.uint8), offsets=np.asarray(offsets, dtype=np.int64))
+        np.asarray(code_ids, dtype=np.uint16).tofile(tmp / "tokens" / "train_code.bin")
+        for f in (data / "tokens").iterdir():
+            if not (tmp / "tokens" / f.name).exists() and f.name != "counts.json":
+                (tmp / "tokens" / f.name).symlink_to(f.resolve())
+        for name in ("tokenizer", "manifest.json", "raw"):
+            (tmp / name).symlink_to((data / name).resolve())
+        (tmp / "tokens" / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
+
+    write_directory(out, fill)
     return counts
