@@ -123,7 +123,11 @@ def test_generate_offers_tools_in_the_chat_turn_and_lists_calls(text_model, tmp_
     (tmp_path / "bad.json").write_text('{"name": "x"}')
     for args, message in ((["--tools", str(tmp_path / "bad.json"), "--chat"], "must hold a JSON list"),
                           (["--tools", str(tmp_path / "none.json"), "--chat"], "cannot read --tools"),
-                          (["--tools", str(tools)], "--tools needs --chat")):
+                          (["--tools", str(tools)], "--tools needs --chat"),
+                          # found by a hostile pass: these were dropped without a word
+                          (["--system", "Be brief."], "--system needs --chat"),
+                          (["--no-think"], "--no-think needs --chat"),
+                          (["--chat", "--free-tool-calls"], "--free-tool-calls needs --tools")):
         bad = _run("generate", "hi", "--model", text_model, *args)
         assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
 

@@ -116,6 +116,15 @@ def _show(result: GenerationResult, prompt: str, tokenizer: Tokenizer, args: arg
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    # options that shape a chat turn mean nothing to a plain continuation: refuse them rather than drop them
+    for flag, given, what in (("--tools", args.tools, "tools are offered in a chat turn"),
+                              ("--system", args.system, "the system message opens the chat"),
+                              ("--no-think", args.no_think, "thinking is a chat turn's"),
+                              ("--free-tool-calls", args.free_tool_calls, "it applies to the tools of a chat turn")):
+        if given is not None and given is not False and not args.chat:
+            raise ValueError(f"{flag} needs --chat: {what}")
+    if args.free_tool_calls and not args.tools:
+        raise ValueError("--free-tool-calls needs --tools: without tools no call is held to them")
     text = _read_prompt(args)
     if not text.strip():
         raise ValueError("the prompt is empty")
@@ -124,8 +133,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     prompt = text
     tools = _read_tools(args.tools) if args.tools else None
-    if tools and not args.chat:
-        raise ValueError("--tools needs --chat: tools are offered in a chat turn")
     ids = tok.encode(prompt)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
