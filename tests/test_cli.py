@@ -208,6 +208,15 @@ def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monke
         assert seen.pop() == dtype and json.loads(capsys.readouterr().out)["dtype"] == str(dtype).removeprefix("torch.")
 
 
+def test_operating_system_errors_read_as_path_and_reason():
+    from clover.cli.commands import _describe
+
+    assert _describe(PermissionError(13, "Permission denied", "/x/y")) == "/x/y: Permission denied"
+    assert _describe(OSError(98, "Address already in use")) == "Address already in use"
+    assert _describe(OSError("no such model")) == "no such model"
+    assert _describe(ValueError("bad")) == "bad"
+
+
 @pytest.mark.parametrize("args,message", [
     (["serve", "--port", "-1"], "argument --port: must be a TCP port"),
     (["serve", "--max-queue", "-1"], "argument --max-queue: must be 0 or more"),
@@ -229,6 +238,11 @@ def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monke
     (["bench", "serve", "--endpoint", "http://a/v1", "--extra-body", "[1]"], "argument --extra-body"),
     (["bench", "serve", "--endpoint", "http://a/v1", "--rate", "0"], "argument --rate: must be a positive number"),
     (["bench", "serve", "--endpoint", "http://a/v1", "--extra-body", '{"threshold": 1e999}'], "1e999 is not"),
+    # found by a hostile pass: these failed with an errno message, some after the evaluation had run
+    (["bench", "serve", "--endpoint", "http://a/v1", "--out", "/nonexistent/r.json"],
+     "argument --out: /nonexistent/r.json: there is no directory /nonexistent to write it in"),
+    (["eval", "match", "--data", "d", "--out", "/"], "argument --out: must name a file, and '/' is a directory"),
+    (["generate", "hi", "--trace", "/nonexistent/t.html"], "argument --trace: /nonexistent/t.html: there is no dir"),
 ])
 def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, args, message, capsys):
     """Found by a hostile pass: each of these was a traceback from deep inside the command (a bind() overflow

@@ -244,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _describe(exc: BaseException) -> str:
+    """What went wrong in words: an operating-system error as "PATH: reason" (not "[Errno 13] Permission
+    denied: 'PATH'"), anything else as its message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
@@ -251,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return func(args)
     except (CheckpointError, ConfigError, TokenizerError, ChatFormatError, ValueError, OSError,
             json.JSONDecodeError) as exc:
-        print(f"clover {args.command}: error: {exc}", file=sys.stderr)
+        print(f"clover {args.command}: error: {_describe(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"clover {args.command}: interrupted", file=sys.stderr)

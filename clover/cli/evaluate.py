@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from clover.cli.options import (
     json_object,
     nonnegative_int,
+    output_file,
     positive_float,
     positive_int,
     rate,
@@ -218,7 +219,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                                      "in process")):
         e = esub.add_parser(name, help=helptext, description=helptext + ".")
         e.add_argument("--model", help="checkpoint (default: the shipped model)")
-        e.add_argument("--out", help="write the full result as JSON here")
+        e.add_argument("--out", type=output_file, help="write the full result as JSON here")
         e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                        help="compute dtype, as `clover generate --dtype` (default float32; auto: as stored)")
         if name not in ("tasks", "copy", "turns"):
@@ -267,7 +268,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                          args.tpot_limit_ms / 1e3 if args.tpot_limit_ms else None, args.seed)
     text = json.dumps(result)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_text_atomic(args.out, text + "\n")
     summary = {k: v for k, v in result.items() if k != "per_request"}
     print(json.dumps(summary))
     return 0 if result["succeeded"] else 1
@@ -299,5 +300,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--api-key")
     b.add_argument("--extra-body", type=json_object, help="JSON merged into every request (e.g. Clover's algorithm, threshold)")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--out", help="write the full result (with per-request records) here")
+    b.add_argument("--out", type=output_file, help="write the full result (with per-request records) here")
     b.set_defaults(func=cmd_bench_serve)

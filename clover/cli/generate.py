@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from clover.cli.options import nonnegative_int, port, positive_int
+from clover.cli.options import nonnegative_int, output_file, port, positive_int
 from clover.engine.engine import Engine, GenerationResult
 from clover.engine.sampling import ALGORITHMS, SamplingParams
 from clover.engine.structured import auto_tool_calls
@@ -64,7 +64,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     g.add_argument("--show-steps", action="store_true", help="colour each token by the denoising step that "
                                                               "accepted it")
-    g.add_argument("--trace", metavar="FILE.html", help="write a page that replays the denoising step by step")
+    g.add_argument("--trace", metavar="FILE.html", type=output_file, help="write a page that replays the denoising step by step")
 
 
 def sampling_params(args: argparse.Namespace, generation: GenerationConfig) -> SamplingParams:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -90,3 +92,17 @@ def json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"key\": 1}}', got {text!r}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file to write at the end of a command (a result, a trace): checked when the command starts, so that
+    minutes of evaluation are not lost to a path that cannot take the file."""
+    path = Path(text)
+    parent = path.parent
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"must name a file, and {text!r} is a directory")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: there is no directory {parent} to write it in")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written here (permission denied)")
+    return text

@@ -45,6 +45,8 @@ from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import EOS_TOKEN, IM_END, Tokenizer
 from clover.training.data import read_raw
 
+BPB_BATCH_TOKENS = 8192   # tokens per forward of `bits_per_byte`
+
 
 @torch.inference_mode()
 def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, kind: str, split: str = "test",
@@ -64,14 +66,20 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
                 break
         docs = kept
     eos = tok.special_ids[EOS_TOKEN]
-    nll, tokens = 0.0, 0
-    for doc in docs:
+    by_length: dict[int, list[list[int]]] = {}   # windows of equal length run as one batch (a short window is
+    for doc in docs:                               # many small forwards otherwise: minutes at --window 1)
         ids = [eos] + tok.encode(doc)
         for start in range(0, len(ids) - 1, window):
-            chunk = torch.tensor([ids[start: start + window + 1]], device=model.device)
-            logits = model(chunk[:, :-1]).float()
-            nll += float(F.cross_entropy(logits[0], chunk[0, 1:], reduction="sum"))
-            tokens += chunk.shape[1] - 1
+            chunk = ids[start: start + window + 1]
+            by_length.setdefault(len(chunk), []).append(chunk)
+    nll, tokens = 0.0, 0
+    for length, chunks in sorted(by_length.items()):
+        rows = max(1, BPB_BATCH_TOKENS // length)
+        for i in range(0, len(chunks), rows):
+            batch = torch.tensor(chunks[i: i + rows], device=model.device)
+            logits = model(batch[:, :-1]).float()
+            nll += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
+            tokens += batch[:, 1:].numel()
     raw = "".join(docs).encode()
     n = len(raw)
     if n == 0:
