@@ -375,8 +375,8 @@ def test_resume_never_drops_a_log_line_it_cannot_read_but_the_cut_short_last(dat
     run = tmp_path / "run"
     train(_cfg(data_dir, run, steps=3))
     lines = (run / "log.jsonl").read_text().splitlines()
-    for bad in ("not json", '{"kind": "train"}'):
-        text = "\n".join([lines[0], bad, *lines[1:]]) + "\n"
+    for text in ["\n".join([lines[0], bad, *lines[1:]]) + "\n" for bad in ("not json", '{"kind": "train"}')] + [
+            "\n".join([*lines, "not json"]) + "\n"]:   # a last line with its newline was not cut short
         (run / "log.jsonl").write_text(text)
         with pytest.raises(ValueError, match="fix or remove it"):
             train(_cfg(data_dir, run, steps=4), resume=True)

@@ -52,10 +52,13 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def json_lines(path: str | os.PathLike, skip_bad: bool = False) -> list[tuple[str, Any]]:
     """Each line of a JSON-lines file with its value, blank lines left out, and the last line left out where
-    it does not parse: a record a kill cut short mid-append (appends are not atomic). Any other line that
-    does not parse is an error (ValueError naming it; callers rewrite these files, and would drop it), or
-    with `skip_bad` (a reader only) is left out too."""
-    lines = Path(path).read_text().splitlines()
+    it does not parse and has no newline: a record a kill cut short mid-append (appends are not atomic; the
+    writers append a record and its newline in one write, so a cut one never ends in a newline). Any other
+    line that does not parse is an error (ValueError naming it; callers rewrite these files, and would drop
+    it), or with `skip_bad` (a reader only) is left out too."""
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    cut_short = len(lines) if not text.endswith("\n") else 0   # the number of a line a kill may have cut
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -63,7 +66,7 @@ def json_lines(path: str | os.PathLike, skip_bad: bool = False) -> list[tuple[st
         try:
             out.append((line, json.loads(line)))
         except ValueError as exc:
-            if n < len(lines) and not skip_bad:
+            if n != cut_short and not skip_bad:
                 raise ValueError(f"{path}: line {n} is not JSON ({exc}); fix or remove it") from None
     return out
 
