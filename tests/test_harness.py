@@ -176,6 +176,8 @@ def test_broken_endpoints_score_zero_with_the_right_reason(endpoint, tmp_path, m
 def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
     url, _ = endpoint("oracle")
     whole = harness.run_harness(_cfg(url), tmp_path / "whole")
+    # a new run refuses a directory holding files of the names in RUN_FILES: every file a run writes is one
+    assert {p.name for p in (tmp_path / "whole").iterdir()} - {"results.jsonl"} <= set(harness.RUN_FILES)
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "whole", cut)   # the same run again (the oracle is deterministic), without its cost
     lines = (cut / "results.jsonl").read_text().splitlines()
