@@ -373,6 +373,7 @@ def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatc
     assert cli_main(["data", "build", "--out", str(data), "--tokenizer", str(SHIPPED)]) == 1
     assert "killed" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temp dir left
+    assert sorted(p.name for p in data.iterdir()) == ["manifest.json", "tokens"]
     assert (data / "manifest.json").read_text() == "earlier"
     assert (data / "tokens" / "train_code.bin").read_bytes() == b"earlier tokens"
 
@@ -394,6 +395,29 @@ def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatc
     os.umask(umask)
     assert (data / "raw").stat().st_mode & 0o777 == 0o777 & ~umask   # a directory keeps its x bits
     assert (data / "tokenizer" / "tokenizer.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+    # what is not part of a data directory is never swapped away with it (found by a review: a distillation
+    # written inside the data directory was deleted by the next build)
+    (data / "distill").mkdir()
+    (data / "notes.txt").write_text("mine")
+    assert cli_main(["data", "build", "--out", str(data), "--tokenizer", str(SHIPPED)]) == 1
+    assert "distill, notes.txt, which are not part of a data directory" in capsys.readouterr().err
+    (data / "distill").rmdir()
+    (data / "notes.txt").unlink()
+
+    # a link is followed: the directory it names is rebuilt, beside itself; `.` as well
+    real = tmp_path / "elsewhere" / "data"
+    real.parent.mkdir()
+    (tmp_path / "d").rename(real)
+    (tmp_path / "d").symlink_to(real)
+    (real / "manifest.json").write_text("older")
+    assert cli_main(["data", "build", "--out", str(tmp_path / "d"), "--tokenizer", str(SHIPPED)]) == 0
+    assert (tmp_path / "d").is_symlink() and (real / "manifest.json").read_text() == "new"
+    assert sorted(p.name for p in real.parent.iterdir()) == ["data"]
+    monkeypatch.chdir(real)
+    (real / "manifest.json").write_text("older")
+    assert cli_main(["data", "build", "--out", ".", "--tokenizer", str(SHIPPED)]) == 0
+    assert (real / "manifest.json").read_text() == "new" and sorted(p.name for p in real.parent.iterdir()) == ["data"]
 
 
 def test_saved_checkpoints_follow_the_umask_not_the_temp_dir_mode(tmp_path, debug_model):

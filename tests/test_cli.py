@@ -208,11 +208,31 @@ def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monke
         assert seen.pop() == dtype and json.loads(capsys.readouterr().out)["dtype"] == str(dtype).removeprefix("torch.")
 
 
+def test_result_files_may_be_streams(tmp_path):
+    """`--out /dev/stdout` or a pipe: taken by the check and written as a stream (not by a rename beside it)."""
+    import argparse
+    import os
+
+    from clover.cli.options import output_file
+    from clover.model.files import write_text_atomic
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert output_file(str(fifo)) == str(fifo) and output_file("/dev/null") == "/dev/null"
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    write_text_atomic(fifo, "result\n")
+    assert os.read(reader, 100) == b"result\n" and sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+    os.close(reader)
+    with pytest.raises(argparse.ArgumentTypeError, match="is empty"):
+        output_file("")
+
+
 def test_operating_system_errors_read_as_path_and_reason():
     from clover.cli.commands import _describe
 
     assert _describe(PermissionError(13, "Permission denied", "/x/y")) == "/x/y: Permission denied"
     assert _describe(OSError(98, "Address already in use")) == "Address already in use"
+    assert _describe(OSError(18, "Invalid cross-device link", "/a", None, "/b")) == "/a -> /b: Invalid cross-device link"
     assert _describe(OSError("no such model")) == "no such model"
     assert _describe(ValueError("bad")) == "bad"
 

@@ -248,7 +248,8 @@ def _describe(exc: BaseException) -> str:
     """What went wrong in words: an operating-system error as "PATH: reason" (not "[Errno 13] Permission
     denied: 'PATH'"), anything else as its message."""
     if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+        where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else exc.filename
+        return f"{where}: {exc.strerror}" if where else exc.strerror
     return str(exc)
 
 

@@ -100,9 +100,13 @@ def output_file(text: str) -> str:
     path = Path(text)
     parent = path.parent
     if not text or path.is_dir():
-        raise argparse.ArgumentTypeError(f"must name a file, and {text!r} is a directory")
+        raise argparse.ArgumentTypeError(f"must name a file, and {text!r} is {'a directory' if text else 'empty'}")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: there is no directory {parent} to write it in")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if path.exists() and not path.is_file():   # a pipe or a device (/dev/stdout): written as a stream
+        writable = os.access(path, os.W_OK)
+    else:
+        writable = os.access(parent, os.W_OK | os.X_OK) and (not path.exists() or os.access(path, os.W_OK))
+    if not writable:
         raise argparse.ArgumentTypeError(f"{text} cannot be written here (permission denied)")
     return text

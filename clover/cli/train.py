@@ -18,12 +18,14 @@ from clover.model.tokenizer import SMALLEST_VOCAB, Tokenizer
 from clover.training.data import SHARD_VOCAB, build_corpus, encode_corpus, read_raw
 from clover.training.trainer import TrainConfig, train
 
+DATA_FILES, DATA_DIRS = ("manifest.json",), ("raw", "tokenizer", "tokens")   # what a data directory holds
+
 
 def cmd_data_build(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.tokenizer and args.isolate_spaces:
         raise ValueError("--isolate-spaces trains a tokenizer: it cannot apply to the one --tokenizer names")
-    check_replaceable(out, "manifest.json", "a data directory")
+    check_replaceable(out, "manifest.json", "a data directory", DATA_FILES, DATA_DIRS)
     # what would fail after minutes of corpus building fails now: a tokenizer that does not load, a vocabulary
     # Tokenizer.train refuses or the uint16 token shards cannot hold
     tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else None
@@ -125,7 +127,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     out, data = Path(args.out).resolve(), Path(args.data).resolve()
     if out == data or out in data.parents:
         raise ValueError(f"--out {args.out} would replace --data {args.data}; write it elsewhere")
-    check_replaceable(out, "tokens/counts.json", "distillation data")
+    check_replaceable(out, "tokens/counts.json", "distillation data", DATA_FILES, DATA_DIRS)
     counts = build_distill_data(args.model, args.data, args.out, args.chat, args.code, args.new_tokens,
                                 batch=args.batch, seed=args.seed)
     print(json.dumps(counts))

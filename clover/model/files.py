@@ -31,7 +31,12 @@ _UMASK = _read_umask()
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Replace `path` with `text` (UTF-8) in one rename; the temp file is removed if writing fails. The file
-    keeps its mode (a new one: what a plain write gives); a symbolic link is written through."""
+    keeps its mode (a new one: what a plain write gives); a symbolic link is written through, and what is not a
+    regular file (a pipe, /dev/stdout) is written as a stream."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
     path = Path(os.path.realpath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -71,10 +76,11 @@ def json_lines(path: str | os.PathLike, skip_bad: bool = False) -> list[tuple[st
     return out
 
 
-def check_replaceable(target: str | os.PathLike, marker: str, what: str, kinds: tuple[str, ...] | None = None) -> None:
+def check_replaceable(target: str | os.PathLike, marker: str, what: str, kinds: tuple[str, ...] | None = None,
+                      subdirs: tuple[str, ...] = ()) -> None:
     """Refuse to write `target` over anything but an earlier `what` (a directory holding `marker`, and with
-    `kinds` only files matching those patterns) or an empty directory: the atomic swaps that replace a target
-    delete what it held (a user's files, a corpus)."""
+    `kinds` only files matching those patterns and directories named in `subdirs`) or an empty directory: the
+    atomic swaps that replace a target delete what it held (a user's files, a corpus)."""
     target = Path(target)
     if not target.exists():
         return
@@ -84,7 +90,8 @@ def check_replaceable(target: str | os.PathLike, marker: str, what: str, kinds: 
         raise ValueError(f"{target} holds files that are not {what}: it would be replaced; choose an empty or new "
                          "directory")
     others = sorted(p.name for p in target.iterdir()
-                    if kinds is not None and (p.is_dir() or not any(fnmatch.fnmatch(p.name, k) for k in kinds)))
+                    if kinds is not None and (p.name not in subdirs if p.is_dir()
+                                              else not any(fnmatch.fnmatch(p.name, k) for k in kinds)))
     if others:
         raise ValueError(f"{target} holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, which "
                          f"{'is' if len(others) == 1 else 'are'} not part of {what}: replacing it would delete "
@@ -98,11 +105,14 @@ def recover_directory(target: str | os.PathLike) -> None:
     target = Path(target)
     if not target.parent.is_dir():
         return
-    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.lstat().st_mtime)
     if not target.exists() and olds:
         os.replace(olds.pop(), target)
     for leftover in [*olds, *target.parent.glob(f".{target.name}.tmp-*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
+        if leftover.is_symlink():   # (rmtree refuses a link)
+            leftover.unlink()
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _share(tmp: Path) -> None:
@@ -119,8 +129,9 @@ def _share(tmp: Path) -> None:
 
 def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> None:
     """Create `target` atomically: `fill(tmp_dir)` writes into a sibling temp dir that is renamed into place.
-    A crash at any point leaves either the old or the new version (`recover_directory` completes a swap)."""
-    target = Path(target)
+    A crash at any point leaves either the old or the new version (`recover_directory` completes a swap).
+    A target that is a link is followed: the directory it names is replaced (`.` as well: it has a name)."""
+    target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     recover_directory(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))

@@ -66,9 +66,9 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
                 break
         docs = kept
     eos = tok.special_ids[EOS_TOKEN]
-    by_length: dict[int, list[list[int]]] = {}   # windows of equal length run as one batch (a short window is
-    for doc in docs:                               # many small forwards otherwise: minutes at --window 1)
-        ids = [eos] + tok.encode(doc)
+    by_length: dict[int, list[np.ndarray]] = {}   # windows of equal length run as one batch (a short window is
+    for doc in docs:                                # many small forwards otherwise: minutes at --window 1)
+        ids = np.asarray([eos] + tok.encode(doc), dtype=np.int64)
         for start in range(0, len(ids) - 1, window):
             chunk = ids[start: start + window + 1]
             by_length.setdefault(len(chunk), []).append(chunk)
@@ -76,7 +76,7 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
     for length, chunks in sorted(by_length.items()):
         rows = max(1, BPB_BATCH_TOKENS // length)
         for i in range(0, len(chunks), rows):
-            batch = torch.tensor(chunks[i: i + rows], device=model.device)
+            batch = torch.from_numpy(np.stack(chunks[i: i + rows])).to(model.device)
             logits = model(batch[:, :-1]).float()
             nll += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
             tokens += batch[:, 1:].numel()
