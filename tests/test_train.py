@@ -16,10 +16,59 @@ import torch
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import Tokenizer, stdlib_sources
-from clover.training import recall_data, synthetic
+from clover.training import objectives, recall_data, synthetic
 from clover.training.data import SPLITS, TokenData, chat_example, encode_corpus, split_of
-from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
+from clover.training.objectives import ObjectiveConfig, compute_loss, linear_cross_entropy, sample_noise
 from clover.training.trainer import TrainConfig, lr_at, train
+
+
+def _plain_cross_entropy(hidden, weight, targets, row_weights=None):
+    logits = torch.nn.functional.linear(hidden, weight)
+    ce = torch.nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
+                                           reduction="none")
+    return (ce * row_weights).sum() if row_weights is not None else ce.sum(), ce
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_linear_cross_entropy_equals_the_plain_loss_and_gradients(monkeypatch, weighted):
+    """The chunked loss with its gradients computed in the forward is F.cross_entropy over F.linear's logits:
+    float64 to rounding, over several chunks and a ragged last one, scaled by the gradient that reaches it."""
+    monkeypatch.setattr(objectives, "LCE_CHUNK_ELEMENTS", 3 * 50)   # 3 rows of a 50-token vocabulary a chunk
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 16, generator=gen, dtype=torch.float64) * 3
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 50, (11,), generator=gen)
+    rows = torch.rand(11, generator=gen, dtype=torch.float64) * 4 if weighted else None
+    got, want = [], []
+    for fn, out in ((linear_cross_entropy, got), (_plain_cross_entropy, want)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        total, ce = fn(h, w, targets, rows)
+        (2.5 * total).backward()
+        out.extend([total.detach(), ce.detach().double(), h.grad, w.grad])
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (a, b)
+    with torch.no_grad():   # no gradients asked for: none computed, the same loss
+        assert torch.allclose(linear_cross_entropy(hidden, weight, targets, rows)[0], want[0], rtol=1e-12)
+    empty, ce = linear_cross_entropy(hidden[:0].requires_grad_(), weight, targets[:0])
+    empty.backward()
+    assert float(empty.detach()) == 0 and ce.shape == (0,)
+
+
+def test_linear_cross_entropy_under_bfloat16_autocast_multiplies_as_linear_does():
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(40, 32, generator=gen)
+    weight = torch.randn(64, 32, generator=gen) / 4
+    targets = torch.randint(0, 64, (40,), generator=gen)
+    grads = []
+    for fn in (linear_cross_entropy, _plain_cross_entropy):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total, ce = fn(h, w, targets)
+        total.backward()
+        grads.append((total.detach(), ce.detach(), h.grad, w.grad))
+    (t1, c1, h1, w1), (t2, c2, h2, w2) = grads
+    assert t1.dtype == t2.dtype == torch.float32 and torch.allclose(c1, c2, rtol=1e-5)   # the same bf16 products
+    assert torch.allclose(h1, h2, rtol=2e-2, atol=2e-3) and torch.allclose(w1, w2, rtol=2e-2, atol=2e-3)
 
 
 @pytest.fixture(scope="module")

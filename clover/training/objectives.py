@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 from clover.model.modeling import CloverForCausalLM
 
@@ -77,12 +78,73 @@ def sample_noise(eligible: torch.Tensor, block_size: int, cfg: ObjectiveConfig, 
     return noises
 
 
+LCE_CHUNK_ELEMENTS = 1 << 21   # logits per chunk of `linear_cross_entropy` (8 MiB in float32)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """See `linear_cross_entropy`. The gradients of the weighted sum are computed with the loss, chunk by
+    chunk (softmax minus the one-hot target, times the row's weight), and scaled in `backward`."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                targets: torch.Tensor, row_weights: torch.Tensor | None, grads: bool,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = hidden.to(dtype), weight.to(dtype)
+        rows, vocab = h.shape[0], w.shape[0]
+        chunk = max(1, LCE_CHUNK_ELEMENTS // vocab)
+        acc = torch.promote_types(dtype, torch.float32)   # the softmax's dtype: float32, or float64 inputs'
+        ce = torch.empty(rows, dtype=acc, device=h.device)
+        grad_h = torch.empty_like(hidden) if grads else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=w.device) if grads else None   # summed over chunks
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            logits = (h[start:end] @ w.T).to(acc)                                           # [c,V]
+            lse = torch.logsumexp(logits, dim=-1)
+            t = targets[start:end]
+            ce[start:end] = lse - logits.gather(1, t[:, None])[:, 0]
+            if grads:
+                p = logits.sub_(lse[:, None]).exp_()                   # the softmax, in place of the logits
+                p[torch.arange(end - start, device=p.device), t] -= 1
+                if row_weights is not None:
+                    p.mul_(row_weights[start:end, None].to(p.dtype))
+                p = p.to(dtype)
+                grad_h[start:end] = (p @ w).to(hidden.dtype)
+                grad_w += (p.T @ h[start:end]).to(acc)
+        total = (ce * row_weights).sum() if row_weights is not None else ce.sum()
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if grads else None)
+        ctx.mark_non_differentiable(ce)
+        return total, ce
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad_total: torch.Tensor, grad_ce: torch.Tensor) -> tuple:  # type: ignore[override]
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over rows of row_weights * CE, the CE of each row [M], not differentiable) of the logits
+    hidden [M,H] @ weight[V,H].T against targets [M]: what `F.cross_entropy(F.linear(hidden, weight).float(),
+    targets, reduction="none")` and its weighted sum give (the loss the objectives computed before), computed in row chunks, so that no [M,V] logits,
+    log-softmax or gradient of them is ever held (an [M,V] zero fill and a log-softmax and its backward
+    were 9% of an AR training step of the recipe, clover-tiny's 8192-token head over 4,088 rows, AMD EPYC
+    with AVX2; docs/measurements.md, session 39). Under autocast the products run in its dtype, as
+    F.linear's would; the softmax in float32 (float64 for float64 inputs). `row_weights` are constants (no
+    gradient)."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with torch.autocast(device, enabled=False):
+        return _LinearCrossEntropy.apply(hidden, weight, targets,
+                                         None if row_weights is None else row_weights.detach(), grads, dtype)
+
+
 def _ar_sums(model: CloverForCausalLM, hidden: torch.Tensor, ids: torch.Tensor, eligible: torch.Tensor
              ) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropies over positions whose target is eligible, and their count."""
     targets = eligible[:, 1:]
-    logits = model.lm_head(hidden[:, :-1][targets])                                        # [M,V]
-    return F.cross_entropy(logits.float(), ids[:, 1:][targets], reduction="sum"), int(targets.sum())
+    ce, _ = linear_cross_entropy(hidden[:, :-1][targets], model.lm_head.weight, ids[:, 1:][targets])
+    return ce, int(targets.sum())
 
 
 def compute_loss(
@@ -111,11 +173,14 @@ def compute_loss(
     out = model.training_forward(clean, noisy, lengths.repeat(copies), output="hidden")
     masked = torch.cat([nz.masked for nz in noises])
     t = torch.cat([nz.t for nz in noises])
-    logits = model.lm_head(out.noisy[masked]).float()                                          # [M,V]
     targets = clean[masked]
-    ce = F.cross_entropy(logits, targets, reduction="none")                                      # [M]
-    weight = 1.0 / t[masked] if cfg.loss_weighting == "elbo" else torch.ones_like(ce)
-    elbo_sum = (ce * weight).sum()
+    weight = 1.0 / t[masked] if cfg.loss_weighting == "elbo" else None
+    if cfg.certainty_weight > 0:   # the certainty term reads the logits themselves
+        logits = model.lm_head(out.noisy[masked]).float()                                      # [M,V]
+        ce = F.cross_entropy(logits, targets, reduction="none")                                  # [M]
+        elbo_sum = (ce * weight).sum() if weight is not None else ce.sum()
+    else:
+        elbo_sum, ce = linear_cross_entropy(out.noisy[masked], model.lm_head.weight, targets, weight)
     loss = elbo_sum / max(denominators["tokens"] * copies, 1)
     sums = {"diffusion_loss_sum": float(elbo_sum.detach()), "masked_ce_sum": float(ce.detach().sum()), "masked": int(masked.sum()),
             "tokens": int(eligible.sum()) * copies}
