@@ -32,7 +32,8 @@ def experts_grouped(
     order = flat.argsort(stable=True)                                           # grouped by expert
     token = order // top_k                                                      # [T*K]
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    rows = x[token].split(counts)                                               # per expert [n_e,D]
+    rows = x.index_select(0, token).split(counts)   # per expert [n_e,D] (x[token]'s backward, index_put_
+    # with accumulation, took 21 ms a layer of an 8 x 512 training step; index_select's, index_add_, ~3)
     outs = []
     for e, xe in enumerate(rows):
         if xe.shape[0] == 0:
