@@ -118,7 +118,8 @@ class GatedAttention(nn.Module):
         past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
         join: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N,T,D]; mask [N,1,T,P+T] bool over [past; own] keys. Returns (out [N,T,D], k, v [N,G,T,Dh]).
+        """x [N,T,D]; mask [N,1,T,P+T] bool over [past; own] keys, or None: causal over its own keys alone
+        (SDPA's is_causal, whose kernel skips the blocks above the diagonal). Returns (out [N,T,D], k, v [N,G,T,Dh]).
         The keys attended are [past_k; k], or what `join(k, v)` returns (the cache's, without a copy)."""
         n, t, _ = x.shape
         q, gate = self.q_proj(x).view(n, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -130,7 +131,8 @@ class GatedAttention(nn.Module):
         else:
             keys = k if past_k is None else torch.cat([past_k, k], dim=2)
             vals = v if past_v is None else torch.cat([past_v, v], dim=2)
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.heads != self.kv_heads)
         o = o.transpose(1, 2).reshape(n, t, -1) * torch.sigmoid(gate.reshape(n, t, -1))
         return self.o_proj(o), k, v
 
@@ -688,8 +690,10 @@ class CloverForCausalLM(nn.Module):
         if write:   # room for the padded input too: attention reads the new keys from the buffer
             cache.reserve(max(int((past + lengths).max()), p + t), self.config.max_position_embeddings)
         steps = torch.arange(t, device=input_ids.device)
-        causal = (steps[None, :] <= steps[:, None])[None, None].expand(n, 1, t, t)
-        mask = torch.cat([self._prefix_mask(past, p, t), causal], dim=-1)      # [N,1,T,P+T]
+        mask = None   # no row has a past: plain causal attention (padding comes after a row's tokens)
+        if p > 0:
+            causal = (steps[None, :] <= steps[:, None])[None, None].expand(n, 1, t, t)
+            mask = torch.cat([self._prefix_mask(past, p, t), causal], dim=-1)  # [N,1,T,P+T]
         zero_ring = None
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
