@@ -125,12 +125,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over rows of row_weights * CE, the CE of each row [M], not differentiable) of the logits
     hidden [M,H] @ weight[V,H].T against targets [M]: what `F.cross_entropy(F.linear(hidden, weight).float(),
-    targets, reduction="none")` and its weighted sum give (the loss the objectives computed before), computed in row chunks, so that no [M,V] logits,
-    log-softmax or gradient of them is ever held (an [M,V] zero fill and a log-softmax and its backward
-    were 9% of an AR training step of the recipe, clover-tiny's 8192-token head over 4,088 rows, AMD EPYC
-    with AVX2; docs/measurements.md, session 39). Under autocast the products run in its dtype, as
-    F.linear's would; the softmax in float32 (float64 for float64 inputs). `row_weights` are constants (no
-    gradient)."""
+    targets, reduction="none")` and its weighted sum give (the loss the objectives computed before), computed
+    in row chunks, so that no [M,V] logits, log-softmax or gradient of them is ever held (an [M,V] zero fill
+    and a log-softmax and its backward were 9% of an AR training step of the recipe, clover-tiny's 8192-token
+    head over 4,088 rows, AMD EPYC with AVX2; docs/measurements.md, session 39). Under autocast the products
+    run in its dtype, as F.linear's would; the softmax in float32 (float64 for float64 inputs). `row_weights`
+    are constants (no gradient)."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
