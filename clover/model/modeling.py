@@ -1072,21 +1072,23 @@ class CloverForCausalLM(nn.Module):
         dev = clean_ids.device
         pos = torch.arange(t, device=dev)
         blk = pos // b
-        # [2T,2T] visibility: clean rows causal over clean; noisy rows see clean keys of earlier
-        # blocks and noisy keys of their own block (valid ones; padded rows see themselves).
+        # visibility: clean rows causal over clean keys (and no noisy key); noisy rows see the clean keys of
+        # earlier blocks and the noisy keys of their own block (valid ones; padded rows see themselves). The
+        # two kinds of rows attend apart: the clean rows as plain causal attention (whose kernel skips the
+        # blocks above the diagonal), the noisy rows over [clean; noisy] keys with this [N,1,T,2T] mask.
         key_ok = pos[None, :] < lengths[:, None]                                 # [N,T]
-        cc = (pos[None, :] <= pos[:, None])[None].expand(n, t, t)
         nc = (blk[None, :] < blk[:, None])[None].expand(n, t, t)
         nn_ = (blk[None, :] == blk[:, None])[None] & key_ok[:, None, :]
         nn_ = nn_ | torch.eye(t, dtype=torch.bool, device=dev)[None]
-        top = torch.cat([cc, torch.zeros_like(cc)], dim=-1)
-        bottom = torch.cat([nc, nn_], dim=-1)
-        mask = torch.cat([top, bottom], dim=1)[:, None]                         # [N,1,2T,2T]
+        noisy_mask = torch.cat([nc, nn_], dim=-1)[:, None]                      # [N,1,T,2T]
         block_len = (lengths[:, None] - torch.arange(nb, device=dev)[None, :] * b).clamp(0, b)  # [N,nB]
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             if layer.is_attention:
-                return layer.self_attn(x, *rope, mask)[0]
+                (cos_c, cos_n), (sin_c, sin_n) = (r.split(t, dim=1) for r in rope)
+                out_c, k_c, v_c = layer.self_attn(x[:, :t], cos_c, sin_c, None)
+                out_n = layer.self_attn(x[:, t:], cos_n, sin_n, noisy_mask, past_k=k_c, past_v=v_c)[0]
+                return torch.cat([out_c, out_n], dim=1)
             gdn = layer.linear_attn
             xc, xn = x[:, :t], x[:, t:]
             ring0 = x.new_zeros(n, w - 1, self.config.linear_conv_dim)
