@@ -15,7 +15,7 @@ from clover.cli.options import nonnegative_int, positive_int
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
 from clover.model.files import check_replaceable, json_lines, write_directory
 from clover.model.tokenizer import SMALLEST_VOCAB, Tokenizer
-from clover.training.data import SHARD_VOCAB, build_corpus, encode_corpus, read_raw
+from clover.training.data import SHARD_VOCAB, build_corpus, encode_corpus, read_raw, read_texts
 from clover.training.trainer import TrainConfig, train
 
 DATA_FILES, DATA_DIRS = ("manifest.json",), ("raw", "tokenizer", "tokens")   # what a data directory holds
@@ -62,11 +62,11 @@ def _tokenizer_texts(out: Path, max_bytes: int) -> Iterator[str]:
     """Training documents of every kind, each kind up to a third of max_bytes (chat as rendered text)."""
     for kind in ("code", "english"):
         total = 0
-        for doc in read_raw(out, "train", kind):
-            total += len(doc["text"])
+        for text in read_texts(out, "train", kind):
+            total += len(text)
             if total > max_bytes // 3:
                 break
-            yield doc["text"]
+            yield text
     for row in islice(read_raw(out, "train", "chat"), 3000):
         yield render_chat(DEFAULT_CHAT_TEMPLATE, parse_tool_arguments(row["messages"]), row["tools"],
                           add_generation_prompt=False)

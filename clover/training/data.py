@@ -171,7 +171,26 @@ def read_raw(out: str | Path, split: str, kind: str) -> Iterator[dict]:
             yield record
 
 
+def read_texts(out: str | Path, split: str, kind: str) -> Iterator[str]:
+    """The texts of raw/SPLIT/KIND.jsonl's documents (`read_raw`); a record without a "text" string is a
+    ValueError naming the file."""
+    for doc in read_raw(out, split, kind):
+        if not isinstance(doc.get("text"), str):
+            raise ValueError(f"{Path(out) / 'raw' / split / kind}.jsonl: needs documents, each with a \"text\" string")
+        yield doc["text"]
+
+
 # -- tokens ---------------------------------------------------------------------------------------------
+
+
+def encode_stream(tokenizer: Tokenizer, texts: Iterable[str]) -> list[int]:
+    """One token stream of the texts, each followed by end-of-text: what a token shard of a stream kind
+    holds (`encode_corpus`), and what evaluations encode for a model with another tokenizer."""
+    eos = tokenizer.special_ids[EOS_TOKEN]
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text) + [eos]
+    return ids
 
 
 def assistant_turns(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None,
@@ -219,9 +238,7 @@ def encode_corpus(out: str | Path, tokenizer: Tokenizer) -> dict:
     counts = {}
     for split in SPLITS:
         for kind in STREAMS:
-            ids: list[int] = []
-            for doc in read_raw(out, split, kind):
-                ids += tokenizer.encode(doc["text"]) + [eos]
+            ids = encode_stream(tokenizer, read_texts(out, split, kind))
             np.asarray(ids, dtype=np.uint16).tofile(out / "tokens" / f"{split}_{kind}.bin")
             counts[f"{split}_{kind}"] = len(ids)
         all_ids, all_mask, offsets = [], [], [0]

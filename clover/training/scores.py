@@ -43,9 +43,10 @@ from clover.model.chat import parse_output
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import EOS_TOKEN, IM_END, Tokenizer
-from clover.training.data import read_raw
+from clover.training.data import encode_stream, read_texts
 
 BPB_BATCH_TOKENS = 8192   # tokens per forward of `bits_per_byte`
+PROMPT_TOKENS = (64, 192)  # the shortest and longest prompt of `code_prompts`
 
 
 @torch.inference_mode()
@@ -53,8 +54,8 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
                   window: int = 512, max_bytes: int | None = None) -> dict:
     """Every token of every document is predicted, the first from an end-of-text token, in
     non-overlapping windows of `window` tokens (a window's first tokens see less context)."""
-    docs = [d.get("text") for d in read_raw(data, split, kind)]
-    if not docs or not all(isinstance(d, str) for d in docs):
+    docs = list(read_texts(data, split, kind))
+    if not docs:
         raise ValueError(f"{Path(data) / 'raw' / split / kind}.jsonl: needs documents, each with a \"text\" string")
     if max_bytes is not None:   # the documents in order, the last cut to fit
         kept, total = [], 0
@@ -100,29 +101,25 @@ def code_prompts(tok: Tokenizer, data: str | Path, count: int, new_tokens: int, 
     so a model with the data's tokenizer gets the prompts of its token shard, and one with another tokenizer
     prompts it can read rather than ids that mean other tokens to it)."""
     eos = tok.special_ids[EOS_TOKEN]
-    ids: list[int] = []
-    for doc in read_raw(data, split, "code"):
-        if not isinstance(doc.get("text"), str):
-            raise ValueError(f"{Path(data) / 'raw' / split}/code.jsonl: needs documents, each with a \"text\" string")
-        ids += tok.encode(doc["text"]) + [eos]
-    stream = np.asarray(ids, dtype=np.int64)
-    if len(stream) <= 192 + new_tokens:
-        raise ValueError(f"{Path(data) / 'raw' / split}/code.jsonl: too little code for prompts of up to 192 tokens "
-                         f"and {new_tokens} more")
+    stream = np.asarray(encode_stream(tok, read_texts(data, split, "code")), dtype=np.int64)
+    shortest, longest = PROMPT_TOKENS
+    if len(stream) <= longest + new_tokens:
+        raise ValueError(f"{Path(data) / 'raw' / split}/code.jsonl: too little code for prompts of up to {longest} "
+                         f"tokens and {new_tokens} more")
     rng = random.Random(seed)
     pairs = []
     for _ in range(1000 * count):   # draws whose window crosses a document's end are drawn again
         if len(pairs) == count:
             break
-        plen = rng.randint(64, 192)
+        plen = rng.randint(shortest, longest)
         start = rng.randrange(0, len(stream) - plen - new_tokens)
         window = stream[start: start + plen + new_tokens].tolist()
         if eos in window:  # stay inside one document
             continue
         pairs.append((window[:plen], window[plen:]))
     if len(pairs) < count:
-        raise ValueError(f"{Path(data) / 'raw' / split}/code.jsonl: too few documents long enough for a prompt of 64 to "
-                         f"192 tokens and {new_tokens} more")
+        raise ValueError(f"{Path(data) / 'raw' / split}/code.jsonl: too few documents long enough for a prompt of "
+                         f"{shortest} to {longest} tokens and {new_tokens} more")
     return pairs
 
 
