@@ -1,6 +1,6 @@
 """Training-step throughput: tokens/s and achieved GFLOP/s of one optimizer step (forward, backward,
 AdamW) for a few model shapes, AR and block-diffusion objectives, fp32 against bf16 autocast, with and
-without `torch.compile` of the loss, with and without flushing denormals. Random token batches (the
+without `torch.compile` of the training forward (`clover train --compile`), with and without flushing denormals. Random token batches (the
 data pipeline is not timed). Medians over repeats after warm-up, same process and threads.
 The two warm-up steps also check that the loss and every gradient are finite (a fast step that does
 not train is not a speed). Prints its conditions, a table, and one JSON line last.
@@ -69,16 +69,15 @@ def bench(name: str, objective: str, dtype: str, compiled: bool, batch: int, seq
     lengths = torch.full((batch,), seq)
     denominators = {"tokens": float(batch * seq), "ar_targets": float(batch * (seq - 1)), "rows": float(batch)}
     gen = torch.Generator().manual_seed(0)
-    loss_fn = compute_loss
-    if compiled:
-        loss_fn = torch.compile(compute_loss, dynamic=False)
+    if compiled:   # what `clover train --compile` does
+        model.compile_training()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
 
     def one(check: bool = False) -> bool:
         """One optimizer step; with `check`, whether the loss and every gradient were finite."""
         noises = sample_noise(eligible, config.block_size, obj, gen) if objective == "diffusion" else None
         with ctx:
-            loss, _ = loss_fn(model, ids, eligible, lengths, obj, noises, denominators)
+            loss, _ = compute_loss(model, ids, eligible, lengths, obj, noises, denominators)
         loss.backward()
         finite = not check or (bool(torch.isfinite(loss)) and all(
             bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None))
@@ -107,7 +106,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile of the loss")
+    ap.add_argument("--compile", action="store_true", help="also time the compiled training forward (clover train --compile)")
     ap.add_argument("--flush-denormal", action="store_true", help="also time with torch.set_flush_denormal(True)")
     args = ap.parse_args()
     print(f"# {datetime.date.today()} {platform.machine()} {platform.processor() or ''} threads={torch.get_num_threads()} "

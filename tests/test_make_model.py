@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train(tmp_path: Path, run: Path, procs: int = 1) -> list[str]:
-    """Call make_model.sh's train() on `run` with PROCS=`procs`; return the arguments the stand-in `clover` (or,
+def _train(tmp_path: Path, run: Path, procs: int = 1, compile: int = 1) -> list[str]:
+    """Call make_model.sh's train() on `run` with PROCS=`procs` and COMPILE=`compile`; return the arguments the stand-in `clover` (or,
     with several processes, `torchrun`, after its thread count) got ([] if not called)."""
     script = (ROOT / "scripts" / "make_model.sh").read_text()
     function = re.search(r"^train\(\) \{\n.*?^\}\n", script, re.S | re.M)
@@ -31,7 +31,7 @@ def _train(tmp_path: Path, run: Path, procs: int = 1) -> list[str]:
     record.unlink(missing_ok=True)
     runner = re.search(r"^clover_train\(\) \{\n.*?^\}\n", script, re.S | re.M)
     assert runner, "make_model.sh defines clover_train() { ... } at the start of a line"
-    program = (f'set -euo pipefail\nBIN={bin_dir}; DTYPE=bfloat16; PROCS={procs}; THREADS=3; timed() {{ shift; "$@"; }}\n'
+    program = (f'set -euo pipefail\nBIN={bin_dir}; DTYPE=bfloat16; PROCS={procs}; THREADS=3; COMPILE={compile}; timed() {{ shift; "$@"; }}\n'
                f'{function.group(0)}{runner.group(0)}\ntrain "$1" --steps 9\n')
     subprocess.run(["bash", "-c", program, "make_model", str(run)], check=True, env={"RECORD": str(record),
                                                                                        "PATH": "/usr/bin:/bin"})
@@ -55,7 +55,7 @@ def test_a_run_with_a_checkpoint_is_continued_in_its_own_dtype(tmp_path, checkpo
     (run / checkpoint).mkdir()
     (run / checkpoint / "trainer_state.pt").write_bytes(b"state")
     args = _train(tmp_path, run)
-    assert args == ["train", "--out", str(run), "--steps", "9", "--dtype", "float32", "--resume"]
+    assert args == ["train", "--out", str(run), "--steps", "9", "--dtype", "float32", "--resume", "--compile"]
     assert (run / checkpoint / "trainer_state.pt").read_bytes() == b"state" and (run / "log.jsonl").exists()
     assert (run / "DONE").exists()
 
@@ -64,7 +64,8 @@ def test_a_run_without_a_checkpoint_starts_over_and_a_finished_one_is_skipped(tm
     run = tmp_path / "runs" / "ar"
     _started(run)   # killed before its first checkpoint
     (run / "checkpoint.tmp-1").mkdir()
-    assert _train(tmp_path, run) == ["train", "--out", str(run), "--steps", "9", "--dtype", "bfloat16"]
+    assert _train(tmp_path, run, compile=0) == ["train", "--out", str(run), "--steps", "9", "--dtype", "bfloat16",
+                                                "--no-compile"]
     assert not (run / "log.jsonl").exists()   # the half run was removed before it started again
     assert _train(tmp_path, run) == []        # DONE
 
@@ -74,7 +75,7 @@ def test_several_processes_train_through_torchrun(tmp_path):
     run = tmp_path / "runs" / "ar"
     assert _train(tmp_path, run, procs=2) == ["OMP_NUM_THREADS=3", "--standalone", "--nproc_per_node", "2", "-m",
                                               "clover", "train", "--out", str(run), "--steps", "9", "--dtype",
-                                              "bfloat16"]
+                                              "bfloat16", "--compile"]
     assert (run / "DONE").exists()
 
 
@@ -106,7 +107,7 @@ def test_editing_the_script_during_a_build_does_not_change_the_build(tmp_path):
     assert "== done" in done.stderr and not mark.exists()
 
 
-@pytest.mark.parametrize("setting", ["PROCS=0", "PROCS=two", "THREADS=0", "THREADS=1.5"])
+@pytest.mark.parametrize("setting", ["PROCS=0", "PROCS=two", "THREADS=0", "THREADS=1.5", "COMPILE=yes"])
 def test_a_bad_process_or_thread_count_stops_before_anything_runs(tmp_path, setting):
     name, value = setting.split("=")
     bin_dir = tmp_path / "bin"
@@ -117,5 +118,6 @@ def test_a_bad_process_or_thread_count_stops_before_anything_runs(tmp_path, sett
     env = {"PATH": "/usr/bin:/bin", "BIN": str(bin_dir), "DATA": str(tmp_path / "data"), "RUNS": str(tmp_path / "runs"),
            "MARK": str(mark), name: value}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "make_model.sh")], env=env, capture_output=True, text=True)
-    assert done.returncode == 2 and "must be a whole number >= 1" in done.stderr, done.stderr
+    want = "must be 0 or 1" if name == "COMPILE" else "must be a whole number >= 1"
+    assert done.returncode == 2 and want in done.stderr, done.stderr
     assert not mark.exists() and not (tmp_path / "data").exists()

@@ -483,6 +483,28 @@ def test_a_compiled_step_that_cannot_be_built_falls_back_to_eager(debug_model, c
     assert torch.equal(got, want) and int(cache.lengths[0]) == 9
 
 
+def test_a_training_forward_that_cannot_be_compiled_trains_eagerly(debug_model, caplog):
+    """`compile_training` whose first call fails to compile: the step runs eagerly (same hidden states and
+    gradients), with a warning, and later steps stay eager; a failure after a compiled call, or one that is
+    not a compile failure, is raised."""
+    ids = torch.randint(0, 500, (2, 12))
+    want, _ = debug_model.causal(ids, logits="train")
+
+    def broken(*args):
+        raise _compile_error()
+
+    debug_model._train_run = broken
+    got, _ = debug_model.causal(ids, logits="train")
+    assert torch.equal(got, want) and debug_model._train_run is None and "training eagerly" in caplog.text
+    for error, ran in ((_compile_error(), True), (ValueError("a bug in the pass"), False)):
+        def failing(*args, error=error):
+            raise error
+
+        debug_model._train_run, debug_model._train_ran = failing, ran
+        with pytest.raises(type(error)):
+            debug_model.causal(ids, logits="train")
+
+
 def test_a_compiled_pass_raises_errors_that_are_not_compile_failures(debug_model):
     """A computation error, or a compile error once the pass has run, is the caller's to see: rerunning a
     pass that ran on a live cache would apply its step twice."""

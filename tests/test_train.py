@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from clover.cli.commands import main as cli_main
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import Tokenizer, stdlib_sources
@@ -403,12 +404,31 @@ def test_resume_after_a_kill_mid_swap_and_mid_append(data_dir, tmp_path):
     assert [r["step"] for r in _records(run)] == [1, 2, 3, 4, 5, 6]
 
 
+def test_resume_continues_with_the_runs_settings_and_compile_may_change(data_dir, tmp_path, monkeypatch, capsys):
+    """`clover train --resume` with only --data and --out continues the run with its own settings (a diffusion
+    run here, far from the defaults); a setting given again must match, except --steps and --compile."""
+    run = tmp_path / "run"
+    train(_cfg(data_dir, run, steps=3, objective="diffusion", ar_loss_weight=0.5, save_every=3))
+    compiled = []
+    monkeypatch.setattr(CloverForCausalLM, "compile_training", lambda self, enabled=True: compiled.append(enabled))
+    base = ["train", "--data", str(data_dir), "--out", str(run), "--resume"]
+    assert cli_main([*base, "--steps", "4", "--compile"]) == 0
+    saved = json.loads((run / "train_config.json").read_text())
+    assert compiled == [True] and saved["objective"] == "diffusion" and saved["compile"] and saved["steps"] == 4
+    assert [r["step"] for r in _records(run)] == [1, 2, 3, 4] and "diffusion_loss" in _records(run)[-1]
+    capsys.readouterr()
+    assert cli_main([*base, "--steps", "5", "--lr", "0.01"]) == 1
+    assert "lr: 0.003 there, 0.01 now); only --steps and --compile may change" in capsys.readouterr().err
+    assert cli_main([*base, "--steps", "5", "--no-compile"]) == 0 and compiled == [True]
+    assert _records(run)[-1]["step"] == 5
+
+
 def test_run_directory_protects_existing_runs_and_settings(data_dir, tmp_path):
     run = tmp_path / "run"
     train(_cfg(data_dir, run, steps=2))
     with pytest.raises(ValueError, match="already holds a run"):
         train(_cfg(data_dir, run, steps=2))
-    with pytest.raises(ValueError, match="only --steps may change"):
+    with pytest.raises(ValueError, match="only --steps and --compile may change"):
         train(_cfg(data_dir, run, steps=4, lr=1e-2), resume=True)
     # without its log, a run's trained weights are still not replaced by a fresh run (a hostile pass lost them)
     (run / "log.jsonl").unlink()

@@ -71,6 +71,7 @@ class TrainConfig:
     aux_loss_coef: float | None = None
     certainty_weight: float = 0.0
     twin_coupling: float = 0.0                 # space twins' embedding and head rows share this much of their gradients
+    compile: bool = False                      # torch.compile the forward (speed only: may change on --resume)
 
     def objective_config(self) -> ObjectiveConfig:
         return ObjectiveConfig(self.objective, self.ar_loss_weight, self.loss_weighting, self.complementary,
@@ -276,6 +277,23 @@ def _run_batch(module: nn.Module, batch: Batch, cfg: TrainConfig, step: int, d: 
     return total
 
 
+def saved_settings(out: str | Path) -> dict:
+    """The settings of the run in directory `out` (its train_config.json, written when a sitting starts, after
+    the settings were checked against its checkpoint's), or {} where it has none: what `--resume` continues
+    with where the command line does not say."""
+    path = Path(out) / "train_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a settings file ({exc})") from exc
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: not a settings file (a JSON object)")
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: v for k, v in saved.items() if k in names}
+
+
 def train(cfg: TrainConfig, resume: bool = False) -> dict:
     """Run (or continue) a training run. Returns the last logged record."""
     cfg.validate()
@@ -305,11 +323,11 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         cfg = dataclasses.replace(cfg, **{name: getattr(saved, name) for name in INIT_ONLY})
         # (a run directory may move: `out` is where it is now)
         changed = [f.name for f in dataclasses.fields(cfg)
-                   if f.name not in ("steps", "out") and getattr(saved, f.name) != getattr(cfg, f.name)]
+                   if f.name not in ("steps", "out", "compile") and getattr(saved, f.name) != getattr(cfg, f.name)]
         if changed:
             raise ValueError(f"--resume with different settings than the run in {out} ("
                              + ", ".join(f"{k}: {getattr(saved, k)!r} there, {getattr(cfg, k)!r} now" for k in changed)
-                             + "); only --steps may change")
+                             + "); only --steps and --compile may change")
         if state["step"] > cfg.steps:
             raise ValueError(f"the run in {out} is at step {state['step']}, past --steps {cfg.steps}")
         model = load_checkpoint(ckpt, dtype="float32", device=d.device)
@@ -326,6 +344,12 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {model.config.max_position_embeddings} "
                          "tokens (max_position_embeddings)")
     model.train()
+    if cfg.compile and cfg.dtype == "bfloat16":
+        # (compiled bf16 steps of a small model gave NaN losses, not diagnosed: docs/measurements.md, "Training throughput")
+        print("clover train: --compile is not used with bfloat16 autocast (NaN losses seen); training eagerly",
+              file=sys.stderr)
+    elif cfg.compile:
+        model.compile_training()
     optimizer = _optimizer(model, cfg)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
