@@ -108,7 +108,7 @@ def test_editing_the_script_during_a_build_does_not_change_the_build(tmp_path):
 
 
 @pytest.mark.parametrize("setting", ["PROCS=0", "PROCS=two", "THREADS=0", "THREADS=1.5", "COMPILE=yes"])
-def test_a_bad_process_or_thread_count_stops_before_anything_runs(tmp_path, setting):
+def test_a_bad_process_thread_or_compile_setting_stops_before_anything_runs(tmp_path, setting):
     name, value = setting.split("=")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

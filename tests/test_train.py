@@ -419,8 +419,21 @@ def test_resume_continues_with_the_runs_settings_and_compile_may_change(data_dir
     capsys.readouterr()
     assert cli_main([*base, "--steps", "5", "--lr", "0.01"]) == 1
     assert "lr: 0.003 there, 0.01 now); only --steps and --compile may change" in capsys.readouterr().err
-    assert cli_main([*base, "--steps", "5", "--no-compile"]) == 0 and compiled == [True]
-    assert _records(run)[-1]["step"] == 5
+    assert cli_main([*base, "--steps", "5"]) == 0 and compiled == [True, True]   # (the run's own: compiled)
+    assert cli_main([*base, "--steps", "6", "--no-compile"]) == 0 and compiled == [True, True]
+    assert _records(run)[-1]["step"] == 6
+    capsys.readouterr()
+    settings = json.loads((run / "train_config.json").read_text())
+    (run / "train_config.json").write_text(json.dumps({**settings, "lr": None}))
+    assert cli_main([*base, "--steps", "7"]) == 1
+    assert "train_config.json: lr must be int or float, got None" in capsys.readouterr().err
+
+
+def test_compile_is_left_out_with_bfloat16(data_dir, tmp_path, monkeypatch, capsys):
+    compiled = []
+    monkeypatch.setattr(CloverForCausalLM, "compile_training", lambda self, enabled=True: compiled.append(enabled))
+    train(_cfg(data_dir, tmp_path / "run", steps=1, dtype="bfloat16", compile=True))
+    assert compiled == [] and "--compile is not used with bfloat16" in capsys.readouterr().err
 
 
 def test_run_directory_protects_existing_runs_and_settings(data_dir, tmp_path):

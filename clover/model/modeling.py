@@ -456,7 +456,6 @@ class CloverForCausalLM(nn.Module):
         self._compiled: dict[str, Callable] = {}   # compiled passes by name, see compile_decode
         self._compiled_ran: set[str] = set()        # the passes that have completed a compiled call
         self._train_run: Callable | None = None     # the compiled layer stack of training, see compile_training
-        self._train_ran = False                      # whether it has completed a call
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -621,13 +620,28 @@ class CloverForCausalLM(nn.Module):
         logits="train")`, `training_forward`) through `torch.compile` (inductor, static shapes; the grouped
         experts run eagerly between the compiled pieces, as their shapes depend on the routing). Passes under
         `no_grad` (validation, decoding) stay eager. A training step of `tiny-wide` at 8 x 512 in fp32 took
-        0.93x the time for AR and 0.86x for block diffusion on 2 AVX2 cores, after a first step that compiles
-        for ~3 minutes (~30 s when inductor's cache on disk already holds the graphs; docs/measurements.md,
-        session 40); results equal the eager pass's up to float rounding. Each new input shape compiles
-        again. Should the first call fail to compile (no C++ compiler, an unsupported torch), training goes
-        on eagerly with a warning. `enabled` False returns to eager."""
-        self._train_run = torch.compile(self._run_layers, dynamic=False) if enabled else None
-        self._train_ran = False
+        0.93x the time for AR and 0.83-0.88x for block diffusion on 2 AVX2 cores, after a first step that
+        compiles for ~3 minutes (~30 s when inductor's cache on disk already holds the graphs;
+        docs/measurements.md, session 40); results equal the eager pass's up to float rounding. Each new input
+        shape compiles again. The graph breaks at every layer's experts, and the code after a break is compiled
+        once per layer: dynamo's recompile limit is raised to leave room for a few shapes of this model. Where
+        the forward cannot be compiled (torch.compile unsupported here, no C++ compiler, a dynamo error) training
+        goes on eagerly with a warning; a failure to compile the backward (built lazily, in the first
+        `backward()`) is raised. `enabled` False returns to eager."""
+        self._train_run = None
+        if not enabled:
+            return
+        try:
+            self._train_run = torch.compile(self._run_layers, dynamic=False)
+        except RuntimeError as exc:   # e.g. a Python that dynamo does not support
+            logger.warning("torch.compile unavailable, training eagerly: %s", exc)
+            return
+        import torch._dynamo.config as dynamo_config
+
+        limit = 4 * (len(self.model.layers) + 1)   # a few shapes: each compiles once per layer
+        name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"   # (older torch)
+        if getattr(dynamo_config, name) < limit:
+            setattr(dynamo_config, name, limit)
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, mixer: Mixer, used: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, list]:
@@ -636,15 +650,12 @@ class CloverForCausalLM(nn.Module):
         zero and their router logits left out: padding whose results nobody reads)."""
         if self._train_run is not None and torch.is_grad_enabled():
             try:
-                out = self._train_run(ids, positions, mixer, used)
+                return self._train_run(ids, positions, mixer, used)
             except Exception as exc:
-                if self._train_ran or not _is_compile_error(exc):
+                if not _is_compile_error(exc):   # (a forward writes no state: rerunning it eagerly is safe)
                     raise
                 logger.warning("compiled training forward unavailable, training eagerly: %s", exc)
                 self._train_run = None
-            else:
-                self._train_ran = True
-                return out
         return self._run_layers(ids, positions, mixer, used)
 
     def _run_layers(self, ids: torch.Tensor, positions: torch.Tensor, mixer: Mixer, used: torch.Tensor | None = None
@@ -800,9 +811,14 @@ class CloverForCausalLM(nn.Module):
             # no guards on the modules' attributes: the weights are frozen into the graphs already (they must
             # not change), and checking the modules' guards took ~0.2 ms of a compiled step's 4.8 (2 cores)
             options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        self._compiled = {name: torch.compile(fn, dynamic=True, options=dict(options)) for name, fn in   # (it pops keys)
-                          (("step", self._steps), ("check", self._check_views), ("keep", self._keep_views),
-                           ("preview", self._preview_views), ("fused", self._fused_views))}
+        try:
+            self._compiled = {name: torch.compile(fn, dynamic=True, options=dict(options)) for name, fn in  # (pops keys)
+                              (("step", self._steps), ("check", self._check_views), ("keep", self._keep_views),
+                               ("preview", self._preview_views), ("fused", self._fused_views))}
+        except RuntimeError as exc:   # e.g. a Python that dynamo does not support
+            logger.warning("torch.compile unavailable, decoding eagerly: %s", exc)
+            self._compiled = {}
+            return
         if warmup:
             with torch.inference_mode():
                 for n in (1, 2):
