@@ -25,6 +25,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch._dynamo
 
 from clover.model.config import PRESETS, CloverConfig
 from clover.model.modeling import CloverForCausalLM
@@ -69,7 +70,8 @@ def bench(name: str, objective: str, dtype: str, compiled: bool, batch: int, seq
     lengths = torch.full((batch,), seq)
     denominators = {"tokens": float(batch * seq), "ar_targets": float(batch * (seq - 1)), "rows": float(batch)}
     gen = torch.Generator().manual_seed(0)
-    if compiled:   # what `clover train --compile` does
+    if compiled:   # what `clover train --compile` does, from a clean slate (dynamo's caches outlive a model)
+        torch._dynamo.reset()
         model.compile_training()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
 
