@@ -80,7 +80,7 @@ THREADS=${THREADS:-$(( CORES / PROCS > 0 ? CORES / PROCS : 1 ))}
 case $THREADS in ''|*[!0-9]*|0*) echo "THREADS must be a whole number >= 1, got '$THREADS'" >&2; exit 2;; esac
 
 # COMPILE=1 trains through torch.compile (`clover train --compile`: the forward of the layer stack): on 2 AVX2 cores
-# at 8 x 512, 1.07x the tokens/s of AR and 1.15-1.20x of block diffusion (the SFT stages' 4 x 1,024 not measured),
+# at 8 x 512, 1.07x the tokens/s of AR and 1.15-1.20x of block diffusion, 1.25x of SFT at 4 x 1,024,
 # after a first step that compiles for ~3 minutes a stage and shape (~30 s when inductor's cache already holds the
 # graphs: the cache is kept in $RUNS/inductor-cache, so later sittings find it). It may change between sittings.
 # bf16 runs and PROCS > 1 train eagerly (`clover train` says so). COMPILE=0: eager.
