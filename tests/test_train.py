@@ -18,7 +18,7 @@ from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import Tokenizer, stdlib_sources
 from clover.training import objectives, recall_data, synthetic
-from clover.training.data import SPLITS, TokenData, chat_example, encode_corpus, split_of
+from clover.training.data import SPLITS, TokenData, chat_example, encode_corpus, require_data, split_of
 from clover.training.objectives import ObjectiveConfig, compute_loss, linear_cross_entropy, sample_noise
 from clover.training.trainer import TrainConfig, lr_at, train
 
@@ -763,3 +763,23 @@ def test_corrupt_token_shards_are_named_not_looped_on(data_dir, tmp_path):
     code.write_bytes(b"\x01\x00\x02")
     with pytest.raises(ValueError, match="train_code.bin is not a token shard"):
         TokenData(bad, "train", {"code": 1.0}, 0)
+
+
+def test_a_missing_data_directory_says_how_to_make_it_or_where_it_was_moved(tmp_path, capsys):
+    """Commands that read --data name a missing one clearly; one that a build killed mid-swap left moved aside
+    (`.NAME.old-PID`) is pointed at, not silently reported missing."""
+    assert require_data(tmp_path) == tmp_path
+    missing = tmp_path / "data"
+    with pytest.raises(FileNotFoundError, match=r"data is missing: make a data directory with `clover data build"):
+        require_data(missing)
+    (tmp_path / ".data.old-4242").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"\.data\.old-4242 holds its previous version .* move it back"):
+        require_data(missing)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        require_data(tmp_path / "file")
+    for command in (["train", "--data", str(missing), "--out", str(tmp_path / "run")],
+                    ["data", "distill", "--model", "m", "--data", str(missing), "--out", str(tmp_path / "d")]):
+        assert cli_main(command) == 1
+        assert ".data.old-4242 holds its previous version" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -66,7 +66,10 @@ def cmd_eval_agent(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from clover.model.checkpoint import load_for_generation
     from clover.training import scores
+    from clover.training.data import require_data
 
+    if args.eval_command in ("bpb", "match"):
+        require_data(args.data)
     loaded = load_for_generation(args.model, args.dtype, "cpu")
     model, tok = loaded.model, loaded.tokenizer
     if args.eval_command == "bpb":

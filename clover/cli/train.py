@@ -15,7 +15,7 @@ from clover.cli.options import nonnegative_int, positive_int
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
 from clover.model.files import check_replaceable, json_lines, write_directory
 from clover.model.tokenizer import SMALLEST_VOCAB, Tokenizer
-from clover.training.data import SHARD_VOCAB, build_corpus, encode_corpus, read_raw, read_texts
+from clover.training.data import SHARD_VOCAB, build_corpus, encode_corpus, read_raw, read_texts, require_data
 from clover.training.trainer import TrainConfig, saved_settings, train
 
 DATA_FILES, DATA_DIRS = ("manifest.json",), ("raw", "tokenizer", "tokens")   # what a data directory holds
@@ -124,7 +124,7 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_data_distill(args: argparse.Namespace) -> int:
     from clover.training.distill import build_distill_data
 
-    out, data = Path(args.out).resolve(), Path(args.data).resolve()
+    out, data = Path(args.out).resolve(), require_data(args.data).resolve()
     if out == data or out in data.parents:
         raise ValueError(f"--out {args.out} would replace --data {args.data}; write it elsewhere")
     check_replaceable(out, "tokens/counts.json", "distillation data", DATA_FILES, DATA_DIRS)

@@ -157,6 +157,21 @@ def check_kinds(mix: Iterable[str]) -> None:
         raise ValueError(f"mix names {', '.join(map(repr, unknown))}, not a kind of data; the kinds are {list(KINDS)}")
 
 
+def require_data(directory: str | Path) -> Path:
+    """`directory` as a Path if it is a directory; else a FileNotFoundError that says how to make it, or, where a
+    build was killed between the two renames of its swap (`files.write_directory`), where its previous version
+    lies."""
+    path = Path(directory)
+    if path.is_dir():
+        return path
+    aside = sorted(path.parent.glob(f".{path.name}.old-*")) if path.name and path.parent.is_dir() else []
+    if aside:
+        raise FileNotFoundError(f"{path} is missing, but {aside[-1]} holds its previous version (a `clover data build` "
+                                f"was stopped while swapping in a new one): move it back to {path}, or build again")
+    what = "not a directory" if path.exists() else "missing"
+    raise FileNotFoundError(f"{path} is {what}: make a data directory with `clover data build --out {path}`")
+
+
 def read_raw(out: str | Path, split: str, kind: str) -> Iterator[dict]:
     """The records of raw/SPLIT/KIND.jsonl; a line that is not a JSON object is a ValueError naming it."""
     path = Path(out) / "raw" / split / f"{kind}.jsonl"

@@ -31,7 +31,7 @@ from clover.model.config import CloverConfig
 from clover.model.files import json_lines, recover_directory, write_text_atomic
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer
-from clover.training.data import Batch, TokenData, check_kinds
+from clover.training.data import Batch, TokenData, check_kinds, require_data
 from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
 
 INIT_ONLY = ("gdn_gate_z", "gdn_dt_max")   # TrainConfig fields read only when random weights are made
@@ -319,7 +319,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
 
 def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     out = Path(cfg.out)
-    tokenizer = Tokenizer.load(Path(cfg.data) / "tokenizer")
+    tokenizer = Tokenizer.load(require_data(cfg.data) / "tokenizer")
     ckpt = out / "checkpoint"
     start = 0
     state = None
