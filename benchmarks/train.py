@@ -30,6 +30,7 @@ import torch._dynamo
 from clover.model.config import PRESETS, CloverConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
+from clover.training.trainer import TrainConfig, make_optimizer
 
 # More shapes (issue 10's throughput table): overrides of the `tiny` preset.
 SHAPES: dict[str, dict] = {
@@ -63,7 +64,7 @@ def bench(name: str, objective: str, dtype: str, compiled: bool, batch: int, seq
     config = shape_config(name)
     torch.manual_seed(0)
     model = CloverForCausalLM(config).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = make_optimizer(model, TrainConfig(data="", out="", lr=1e-3))   # the trainer's AdamW
     obj = ObjectiveConfig(objective, ar_loss_weight=1.0 if objective == "diffusion" else 0.0)
     ids = torch.randint(0, config.vocab_size - 2, (batch, seq))
     eligible = torch.ones(batch, seq, dtype=torch.bool)
