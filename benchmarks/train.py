@@ -1,7 +1,8 @@
 """Training-step throughput: tokens/s and achieved GFLOP/s of one optimizer step (forward, backward,
-AdamW) for a few model shapes, AR and block-diffusion objectives, fp32 against bf16 autocast, with and
-without `torch.compile` of the training forward (`clover train --compile`), with and without flushing denormals. Random token batches (the
-data pipeline is not timed). Medians over repeats after warm-up, same process and threads.
+AdamW, the trainer's) for a few model shapes, AR and block-diffusion objectives, fp32 against bf16 autocast,
+with and without `torch.compile` of the training forward (`clover train --compile`), with and without flushing
+denormals. Random token batches (the data pipeline is not timed). Medians over repeats after warm-up, same process
+and threads.
 The two warm-up steps also check that the loss and every gradient are finite (a fast step that does
 not train is not a speed). Prints its conditions, a table, and one JSON line last.
 
@@ -109,7 +110,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--compile", action="store_true", help="also time the compiled training forward (clover train --compile)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the compiled training forward (clover train --compile)")
     ap.add_argument("--flush-denormal", action="store_true", help="also time with torch.set_flush_denormal(True)")
     args = ap.parse_args()
     print(f"# {datetime.date.today()} {platform.machine()} {platform.processor() or ''} threads={torch.get_num_threads()} "
