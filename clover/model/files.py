@@ -98,6 +98,15 @@ def check_replaceable(target: str | os.PathLike, marker: str, what: str, kinds: 
                          f"{'it' if len(others) == 1 else 'them'}; choose an empty or new directory")
 
 
+def moved_aside(target: str | os.PathLike) -> list[Path]:
+    """The previous versions of directory `target` that writers moved aside mid-swap (`.NAME.old-PID`, see
+    `write_directory`), oldest first."""
+    target = Path(target)
+    if not target.name or not target.parent.is_dir():
+        return []
+    return sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.lstat().st_mtime)
+
+
 def recover_directory(target: str | os.PathLike) -> None:
     """Finish what a writer killed mid-swap left: if `target` is missing but its previous version was moved
     aside (`.NAME.old-PID`), move it back; then remove leftover temp and old copies. Run before reading or
@@ -105,7 +114,7 @@ def recover_directory(target: str | os.PathLike) -> None:
     target = Path(target)
     if not target.parent.is_dir():
         return
-    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.lstat().st_mtime)
+    olds = moved_aside(target)
     if not target.exists() and olds:
         os.replace(olds.pop(), target)
     for leftover in [*olds, *target.parent.glob(f".{target.name}.tmp-*")]:

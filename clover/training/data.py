@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clover.model.files import write_text_atomic
+from clover.model.files import moved_aside, write_text_atomic
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer, stdlib_sources
 from clover.training import agent_data, recall_data, synthetic
 
@@ -164,7 +164,7 @@ def require_data(directory: str | Path) -> Path:
     path = Path(directory)
     if path.is_dir():
         return path
-    aside = sorted(path.parent.glob(f".{path.name}.old-*")) if path.name and path.parent.is_dir() else []
+    aside = moved_aside(path)
     if aside:
         raise FileNotFoundError(f"{path} is missing, but {aside[-1]} holds its previous version (a `clover data build` "
                                 f"was stopped while swapping in a new one): move it back to {path}, or build again")
