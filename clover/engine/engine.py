@@ -15,6 +15,7 @@ import bisect
 import contextlib
 import itertools
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -106,8 +107,8 @@ class Engine:
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.waiting.append(SequenceState(
             rid=rid, prompt=prompt, params=params, block_size=GenerationConfig.resolve_block_size(params.block_size, self.config),
-            generator=torch.Generator().manual_seed(seed), counts=torch.zeros(self.config.vocab_size,
-                                                                              device=self.model.device),
+            generator=torch.Generator().manual_seed(seed),
+            counts=torch.zeros(self.config.vocab_size, device=self.model.device) if has_penalties(params) else None,
             started=time.perf_counter(), stats=GenerationStats(prompt_tokens=len(prompt)), matcher=matcher,
             pending=pending,
         ))
@@ -416,20 +417,21 @@ class Engine:
         if plain:
             rows = logits if len(plain) == len(seqs) else logits[plain]
             best, tokens = rows.max(dim=-1)
-            # the mask token is never an output: where it won, or where a maximum is not finite (which
-            # masking it may change), the argmax again without it; elsewhere that is this argmax, with no
-            # copy of the logits (a check's [N, T, V] at every step)
-            finite = torch.isfinite(best)
-            redo = (tokens == self.config.mask_token_id) | ~finite
-            if bool(redo.any()):
-                again = redo.nonzero(as_tuple=True)
-                best = best.float()            # (bfloat16 logits: mask_out's are float32)
-                best[again], tokens[again] = self.mask_out(rows[again], copied=True).max(dim=-1)
-                finite = torch.isfinite(best)
-            if several:
-                finite = finite.all(dim=-1)
-            for i, t, ok in zip(plain, tokens.tolist(), finite.tolist(), strict=True):
-                picks[i] = t if ok else None
+            # read back at once and checked here (each tensor op would cost more than the check)
+            bests, argmaxes = best.tolist(), tokens.tolist()
+            mask = self.config.mask_token_id
+            for k, i in enumerate(plain):
+                row_tokens, row_best = (argmaxes[k], bests[k]) if several else ([argmaxes[k]], [bests[k]])
+                for j, (t, b) in enumerate(zip(row_tokens, row_best, strict=True)):
+                    # the mask token is never an output: where it won, or where a maximum is not finite
+                    # (which masking it may change), the argmax again without it; elsewhere that is this
+                    # argmax, with no copy of the logits (a check's [N, T, V] at every step)
+                    if t == mask or not math.isfinite(b):
+                        at = (k, j) if several else (k,)
+                        value, index = self.mask_out(rows[at][None]).max(dim=-1)
+                        row_best[j], row_tokens[j] = float(value), int(index)
+                if all(math.isfinite(b) for b in row_best):
+                    picks[i] = row_tokens if several else row_tokens[0]
         return picks
 
     @staticmethod

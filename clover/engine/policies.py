@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from clover.engine.sampling import pick_tokens, sample_from, token_distribution, verify_drafts
+from clover.engine.sampling import count_tokens, pick_tokens, sample_from, token_distribution, verify_drafts
 from clover.engine.sequence import NO_DRAFT, Event, SequenceState, StepRecord
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class AutoRegressive:
             pick = int(pick_tokens(allowed, s.params, s.counts, s.generator, confidence=False)[0][0])
         read_grammar(s, [pick])
         if not engine.is_stop_token(s, pick):
-            s.counts[pick] += 1
+            count_tokens(s.counts, pick)
         engine.emit_final(s, [pick], [s.step], events, scored)   # logprobs: the model's, before the grammar
 
 
@@ -221,7 +221,7 @@ class LowConfidence(_Blocks):
         eos = [k for k, t in enumerate(tokens) if t in engine.eos_ids]
         last_counted = s.fixed + eos[0] if eos and not s.params.ignore_eos else len(s.block) - 1
         dropped = s.block[cut: last_counted + 1]
-        s.counts.index_add_(0, dropped, -torch.ones_like(dropped, dtype=s.counts.dtype))
+        count_tokens(s.counts, dropped, -1.0)
         s.block[cut:] = engine.config.mask_token_id
         s.resolved[cut:] = False
         s.block_steps[cut:] = [0] * (len(s.block) - cut)
@@ -269,7 +269,7 @@ class LowConfidence(_Blocks):
         s.resolved[chosen] = True
         for slot in chosen.tolist():
             s.block_steps[slot] = s.step
-        s.counts.index_add_(0, chosen_tokens, torch.ones_like(chosen_tokens, dtype=s.counts.dtype))
+        count_tokens(s.counts, chosen_tokens)
         accepted = chosen.tolist()
         if not p.ignore_eos and engine.eos_ids:
             is_eos = torch.tensor([int(t) in engine.eos_ids for t in chosen_tokens.tolist()], dtype=torch.bool)
@@ -314,7 +314,7 @@ class LowConfidence(_Blocks):
             s.matcher.consume([t])
             s.block[slot], s.resolved[slot], s.block_steps[slot] = t, True, s.step
             accepted.append(slot)
-            s.counts[t] += 1
+            count_tokens(s.counts, t)
             if t in engine.eos_ids:                                            # the reply ends in this block
                 rest = list(range(slot + 1, len(s.block)))
                 s.block[slot + 1:], s.resolved[slot + 1:] = t, True
@@ -796,13 +796,12 @@ class VerifyPolicy(_Blocks):
         raw = None
         if isinstance(pick, int):
             tokens, kept = [pick], 0
-            s.counts[pick] += 1
+            count_tokens(s.counts, pick)
         elif pick is not None:                       # the batch's plain argmax at each row: the greedy check
             listed = drafts.tolist()
             kept = next((r for r, t in enumerate(listed) if pick[r] != t), m)
             tokens = listed[:kept] + pick[kept: kept + 1]
-            s.counts.index_add_(0, torch.tensor(tokens, device=s.counts.device),
-                                torch.ones(len(tokens), device=s.counts.device))
+            count_tokens(s.counts, tokens)
         else:
             preds = raw = engine.mask_out(preds)
             grammar = s.matcher if s.matcher is not None else s.pending
@@ -818,7 +817,7 @@ class VerifyPolicy(_Blocks):
             if kept == m and len(preds) > m:                       # every draft kept: the causal head goes on
                 t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator, confidence=False)[0][0])
                 tokens.append(t)                                   # (as `ar` picks it)
-                s.counts[t] += 1
+                count_tokens(s.counts, t)
         # drafts kept, then the one rejected; unchecked, whether the causal head's pick equals the draft
         if m:
             seen = [True] * kept + [False] * (kept < m)

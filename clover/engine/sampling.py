@@ -113,8 +113,9 @@ class SamplingParams:
                                        "which commits tokens from the block preview")
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [M,V] fp32; counts [V] occurrences of each token in the response so far.
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
+    """logits [M,V] fp32; counts [V] occurrences of each token in the response so far (None where
+    `params` has no penalties: nothing reads them).
 
     repetition (CTRL / transformers): seen tokens' logits divided by the penalty when positive,
     multiplied when negative; presence and frequency (OpenAI): minus p * [seen] minus f * count;
@@ -147,7 +148,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def token_distribution(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor) -> torch.Tensor:
+def token_distribution(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None) -> torch.Tensor:
     """The distribution a token is drawn from at each row of logits [M,V]: penalties, then temperature,
     top-k and top-p; at temperature 0 a one-hot on the argmax. Returns probabilities [M,V] in fp32."""
     logits = _finite(apply_penalties(logits.float(), counts, params))
@@ -183,7 +184,7 @@ def _nothing_allowed(logits: torch.Tensor) -> None:
 
 
 def pick_tokens(
-    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, generator: torch.Generator | None,
+    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None, generator: torch.Generator | None,
     confidence: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Penalties, then argmax (temperature 0; the first of equal maxima) or a sample. Returns (tokens [M],
@@ -228,9 +229,18 @@ def has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 
 
+def count_tokens(counts: torch.Tensor | None, tokens: int | list[int] | torch.Tensor, by: float = 1.0) -> None:
+    """Add `by` to the response-token counts of `tokens` (a token may repeat); none kept (None) for a
+    request without penalties, where an update would be a few wasted tensor ops at every step."""
+    if counts is None:
+        return
+    ids = torch.as_tensor([tokens] if isinstance(tokens, int) else tokens, dtype=torch.long, device=counts.device)
+    counts.index_add_(0, ids, torch.full(ids.shape, by, dtype=counts.dtype, device=counts.device))
+
+
 def verify_drafts(
     logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, params: SamplingParams,
-    counts: torch.Tensor, generator: torch.Generator | None,
+    counts: torch.Tensor | None, generator: torch.Generator | None,
 ) -> tuple[list[int], int]:
     """Check drafts [M] against the causal head's logits [M,V] (row i predicts draft i) the way the
     `ar` decoder would decide each position (spec section 5b). Returns (tokens, kept): the kept drafts
@@ -250,7 +260,7 @@ def verify_drafts(
         agree = (picks == drafts).int()
         kept = int(agree.cumprod(0).sum())
         tokens = drafts[:kept].tolist() + ([int(picks[kept])] if kept < m else [])
-        counts.index_add_(0, torch.tensor(tokens, device=counts.device), torch.ones(len(tokens), device=counts.device))
+        count_tokens(counts, tokens)
         return tokens, kept
     tokens: list[int] = []
     for i in range(m):
@@ -263,7 +273,7 @@ def verify_drafts(
             keep = float(torch.rand((), generator=generator)) * float(q[x]) < float(p[x])
         if keep:
             tokens.append(x)
-            counts[x] += 1
+            count_tokens(counts, x)
             continue
         if params.greedy:
             t = int(p.argmax())
@@ -271,6 +281,6 @@ def verify_drafts(
             residual = (p - draft_probs[i]).clamp(min=0)
             t = int(sample_from((residual if float(residual.sum()) > 0 else p)[None], generator)[0])
         tokens.append(t)
-        counts[t] += 1
+        count_tokens(counts, t)
         return tokens, i
     return tokens, m

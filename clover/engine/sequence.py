@@ -104,7 +104,7 @@ class SequenceState:
     params: SamplingParams
     block_size: int
     generator: torch.Generator
-    counts: torch.Tensor                       # [V] response-token counts for the penalties
+    counts: torch.Tensor | None                # [V] response-token counts for the penalties (None: it has none)
     started: float
     stats: GenerationStats = field(default_factory=GenerationStats)
     row: int = -1
