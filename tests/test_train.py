@@ -429,11 +429,13 @@ def test_resume_continues_with_the_runs_settings_and_compile_may_change(data_dir
     assert "train_config.json: lr must be int or float, got None" in capsys.readouterr().err
 
 
-def test_compile_is_left_out_with_bfloat16(data_dir, tmp_path, monkeypatch, capsys):
+def test_compile_is_used_with_bfloat16(data_dir, tmp_path, monkeypatch, capsys):
+    """bf16 autocast compiles too (left out until 2026-12-06 for NaN losses no longer seen: the slow tests compare
+    compiled bf16 steps with eager ones)."""
     compiled = []
     monkeypatch.setattr(CloverForCausalLM, "compile_training", lambda self, enabled=True: compiled.append(enabled))
     train(_cfg(data_dir, tmp_path / "run", steps=1, dtype="bfloat16", compile=True))
-    assert compiled == [] and "--compile is not used with bfloat16" in capsys.readouterr().err
+    assert compiled == [True] and "--compile is not used" not in capsys.readouterr().err
 
 
 def test_run_directory_protects_existing_runs_and_settings(data_dir, tmp_path):

@@ -174,8 +174,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                            help="torch.compile the model's training forward (the first step compiles for minutes on "
                                 "2 cores; then ~1.07x the tokens/s of AR and ~1.15-1.25x of block diffusion at 8 x 512 "
-                                "and SFT at 4 x 1,024 on 2 AVX2 cores; may differ between sittings of a run; not with "
-                                "--dtype bfloat16 or under torchrun)")
+                                "and SFT at 4 x 1,024 on 2 AVX2 cores; may differ between sittings of a run; not under "
+                                "torchrun)")
         elif isinstance(default, bool):
             p.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
         elif f.name == "aux_loss_coef":
