@@ -255,6 +255,30 @@ def test_the_batchs_plain_argmax_equals_the_pick_one_by_one_and_leaves_the_rest_
     half = several.bfloat16()
     assert engine.greedy_picks(seqs, half)[1] == [int(engine.mask_out(half[1, t]).argmax()) for t in range(3)]
     assert engine.greedy_picks(seqs, half[:, 0])[0] == int(engine.mask_out(half[0, 0]).argmax())
+    # a maximum of +inf, and a row with nothing finite: left to the one-by-one pick (which says what is wrong)
+    odd = logits[:2].clone()
+    odd[0, 3], odd[1] = math.inf, -math.inf
+    assert engine.greedy_picks(seqs[:2], odd) == [None, None]
+    assert engine.greedy_picks(seqs[:2], odd[:, None].expand(-1, 2, -1)) == [None, None]
+
+
+def test_token_counts_are_kept_only_for_requests_with_penalties():
+    """A request without penalties carries no [vocabulary] count tensor (nothing reads it); one with any of the
+    three penalties counts its tokens, the prompt excluded, as before."""
+    engine = Engine(ScriptedModel())
+    plain = engine.add_request([1, 2], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    penalised = engine.add_request([1, 2], SamplingParams(max_new_tokens=4, ignore_eos=True, frequency_penalty=0.5))
+    states = {s.rid: s for s in engine.waiting}
+    assert states[plain].counts is None
+    assert states[penalised].counts is not None and float(states[penalised].counts.sum()) == 0.0
+    results = {}
+    while engine.has_unfinished():
+        results.update({ev.request_id: ev.result for ev in engine.step() if ev.finished})
+    counts = states[penalised].counts
+    assert states[plain].counts is None and len(results[plain].token_ids) == 4
+    assert float(counts.sum()) == len(results[penalised].token_ids)
+    for t in set(results[penalised].token_ids):
+        assert float(counts[t]) == results[penalised].token_ids.count(t)
 
 
 def test_the_batchs_confident_picks_equal_pick_tokens_slot_by_slot():

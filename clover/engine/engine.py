@@ -65,6 +65,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.config = model.config
+        self.device = model.device   # (read at every step; again by a request reaching an idle engine: the model
+        # must not move while requests run)
         self.eos_ids = set(self.config.eos_token_ids)
         self.policies: dict[str, Policy] = {**{name: cls() for name, cls in POLICIES.items()}, **(policies or {})}
         self.cache: PrefixCache | None = None
@@ -105,10 +107,12 @@ class Engine:
                 self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
             matcher, pending = self._grammars.start(params.constraint)   # GrammarError (a ValueError) if it does not compile
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        if self.cache is None:   # idle (no cache held): the model may have moved since the last request
+            self.device = self.model.device
         self.waiting.append(SequenceState(
             rid=rid, prompt=prompt, params=params, block_size=GenerationConfig.resolve_block_size(params.block_size, self.config),
             generator=torch.Generator().manual_seed(seed),
-            counts=torch.zeros(self.config.vocab_size, device=self.model.device) if has_penalties(params) else None,
+            counts=torch.zeros(self.config.vocab_size, device=self.device) if has_penalties(params) else None,
             started=time.perf_counter(), stats=GenerationStats(prompt_tokens=len(prompt)), matcher=matcher,
             pending=pending,
         ))
@@ -346,7 +350,7 @@ class Engine:
         """model.causal_and_preview over the sequences' rows (a commit fused with a preview), timed; the
         block's logits only at its mask slots (the unresolved ones: what the policies read)."""
         rows = self._rows(seqs)
-        dev = self.model.device
+        dev = self.device
         remember = self.prefix is not None
         clean_lengths = [len(c) for c in clean]
         before, rings, trace = self._before(rows, clean_lengths) if remember else (None, None, None)
@@ -381,7 +385,7 @@ class Engine:
         rows = [s.row for s in seqs]
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return slice(rows[0], rows[0] + len(rows))
-        return torch.tensor(rows, device=self.model.device)
+        return torch.tensor(rows, device=self.device)
 
     def _before(self, rows: torch.Tensor | slice, lengths: list[int]) -> tuple[list[int], dict[int, torch.Tensor],
                                                                              dict | None]:
@@ -401,7 +405,7 @@ class Engine:
         out = torch.full((len(rows), width), fill, dtype=torch.long)
         for i, r in enumerate(rows):
             out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-        return out.to(self.model.device)
+        return out.to(self.device)
 
     def greedy_picks(self, seqs: list[SequenceState], logits: torch.Tensor) -> list[int | list[int] | None]:
         """The causal head's pick for each row of logits [N,V] (row i: the next token of seqs[i]) where that

@@ -85,7 +85,7 @@ class AutoRegressive:
                 self._token(engine, s, lg, events, pick)
 
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
-        ids = torch.tensor([[s.generated[-1]] for s in seqs], device=engine.model.device)
+        ids = torch.tensor([[s.generated[-1]] for s in seqs], device=engine.device)
         logits = engine.forward(seqs, "causal", ids, [1] * len(seqs), logits="last")
         for s, lg, pick in zip(seqs, logits, engine.greedy_picks(seqs, logits), strict=True):
             s.pos += 1
@@ -115,7 +115,7 @@ class _Blocks:
     def start_block(self, engine: Engine, s: SequenceState) -> None:
         fixed = max(len(s.prompt) - s.pos, 0)  # the prompt tail, inside the first block only
         room = min(s.block_size - fixed, s.params.max_new_tokens - len(s.generated))
-        dev = engine.model.device
+        dev = engine.device
         s.fixed = s.verified = fixed
         s.block = torch.full((fixed + room,), engine.config.mask_token_id, dtype=torch.long, device=dev)
         s.resolved = torch.zeros(fixed + room, dtype=torch.bool, device=dev)
@@ -497,7 +497,7 @@ class VerifyPolicy(_Blocks):
             t0 = time.perf_counter()
             super().prefill(engine, previewed, events)
             if like_commit:
-                self._record(("preview", len(previewed)), t0, engine.model.device)
+                self._record(("preview", len(previewed)), t0, engine.device)
         if plain:   # as `ar` prefills: the whole rest of the prompt, whose last logits give the first free slot
             for s, carry in zip(plain, prefill_prompts(engine, plain), strict=True):
                 s.pos = len(s.prompt) // s.block_size * s.block_size
@@ -516,7 +516,7 @@ class VerifyPolicy(_Blocks):
         return whole - 1 if whole == len(s.prompt) else whole
 
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
-        n, dev = len(seqs), engine.model.device
+        n, dev = len(seqs), engine.device
         t0 = time.perf_counter()
         # drafts from the context; not in a check that would also commit the block before's last token: its
         # keep would cross a block boundary without ending there, and the prefix cache keeps only states
@@ -728,7 +728,7 @@ class VerifyPolicy(_Blocks):
         if commit:
             t0 = time.perf_counter()
             self.commit(engine, commit, events)
-            self._record(("preview", len(commit)), t0, engine.model.device)
+            self._record(("preview", len(commit)), t0, engine.device)
         rest = [s for s in seqs if s not in commit]
         for s in rest:
             s.pos += len(s.block)
@@ -737,7 +737,7 @@ class VerifyPolicy(_Blocks):
             t0 = time.perf_counter()
             logits = engine.forward(rest, "preview", engine.pad([s.block for s in rest], engine.config.mask_token_id),
                                     [len(s.block) for s in rest], masked_only=True)
-            self._record(("preview alone", len(rest)), t0, engine.model.device)
+            self._record(("preview alone", len(rest)), t0, engine.device)
             for s, lg in zip(rest, logits, strict=True):
                 s.stats.preview_forwards += 1
                 with engine.isolated(s, events):
