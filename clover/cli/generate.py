@@ -64,7 +64,8 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     g.add_argument("--show-steps", action="store_true", help="colour each token by the denoising step that "
                                                               "accepted it")
-    g.add_argument("--trace", metavar="FILE.html", type=output_file, help="write a page that replays the denoising step by step")
+    g.add_argument("--trace", metavar="FILE.html", type=output_file, help="write a page that replays the denoising step by step "
+                                                                      "(chat: of the latest reply, replaced at each)")
 
 
 def sampling_params(args: argparse.Namespace, generation: GenerationConfig) -> SamplingParams:
@@ -297,6 +298,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(render_steps_ansi(result, tok.decode))
         if args.trace:
             write_trace_html(args.trace, result, prompt, tok.decode)
+            print(f"{DIM}trace of this reply written to {args.trace}{RESET}")
 
 
 def add_chat_parser(sub: argparse._SubParsersAction) -> None:
