@@ -423,19 +423,23 @@ class Engine:
             best, tokens = rows.max(dim=-1)
             # read back at once and checked here (each tensor op would cost more than the check)
             bests, argmaxes = best.tolist(), tokens.tolist()
+            if not several:
+                bests, argmaxes = [[b] for b in bests], [[t] for t in argmaxes]
+            # the mask token is never an output: where it won, or where a maximum is not finite (which masking
+            # it may change), the argmax again without it, for all such positions in one reduction; elsewhere
+            # that is this argmax, with no copy of the logits (a check's [N, T, V] at every step)
             mask = self.config.mask_token_id
+            redo = [(k, j) for k, (row_tokens, row_best) in enumerate(zip(argmaxes, bests, strict=True))
+                    for j, (t, b) in enumerate(zip(row_tokens, row_best, strict=True)) if t == mask or not math.isfinite(b)]
+            if redo:
+                ks, js = torch.tensor([k for k, _ in redo]), torch.tensor([j for _, j in redo])
+                again = rows[ks.to(rows.device), js.to(rows.device)] if several else rows[ks.to(rows.device)]
+                values, indices = self.mask_out(again, copied=True).max(dim=-1)
+                for (k, j), b, t in zip(redo, values.tolist(), indices.tolist(), strict=True):
+                    bests[k][j], argmaxes[k][j] = b, t
             for k, i in enumerate(plain):
-                row_tokens, row_best = (argmaxes[k], bests[k]) if several else ([argmaxes[k]], [bests[k]])
-                for j, (t, b) in enumerate(zip(row_tokens, row_best, strict=True)):
-                    # the mask token is never an output: where it won, or where a maximum is not finite
-                    # (which masking it may change), the argmax again without it; elsewhere that is this
-                    # argmax, with no copy of the logits (a check's [N, T, V] at every step)
-                    if t == mask or not math.isfinite(b):
-                        at = (k, j) if several else (k,)
-                        value, index = self.mask_out(rows[at][None]).max(dim=-1)
-                        row_best[j], row_tokens[j] = float(value), int(index)
-                if all(math.isfinite(b) for b in row_best):
-                    picks[i] = row_tokens if several else row_tokens[0]
+                if all(math.isfinite(b) for b in bests[k]):
+                    picks[i] = argmaxes[k] if several else argmaxes[k][0]
         return picks
 
     @staticmethod
