@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -142,7 +143,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     saved = saved_settings(args.out) if args.resume else {}
     cfg = TrainConfig(**{**{k: v for k, v in saved.items() if k not in ("data", "out")}, **given})
     record = train(cfg, resume=args.resume)
-    print(json.dumps(record))
+    if int(os.environ.get("RANK", "0")) == 0:   # (under torchrun: once, not once per process)
+        print(json.dumps(record))
     return 0
 
 
@@ -174,8 +176,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                            help="torch.compile the model's training forward (the first step compiles for minutes on "
                                 "2 cores; then ~1.07x the tokens/s of AR and ~1.15-1.25x of block diffusion at 8 x 512 "
-                                "and SFT at 4 x 1,024 on 2 AVX2 cores; may differ between sittings of a run; not under "
-                                "torchrun)")
+                                "and SFT at 4 x 1,024 on 2 AVX2 cores; may differ between sittings of a run)")
         elif isinstance(default, bool):
             p.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
         elif f.name == "aux_loss_coef":

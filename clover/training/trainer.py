@@ -363,13 +363,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {model.config.max_position_embeddings} "
                          "tokens (max_position_embeddings)")
     model.train()
-    # --compile is left out (and said so) with several processes, where dynamo would split the graph for
-    # DistributedDataParallel's buckets, a path no test runs
-    eager_why = "several processes (untested)" if d.world > 1 else None
-    if cfg.compile and eager_why:
-        if d.main:
-            print(f"clover train: --compile is not used with {eager_why}; training eagerly", file=sys.stderr)
-    elif cfg.compile:
+    if cfg.compile:   # (the layer stack, inside the DDP wrapper: DDP's hooks see the gradients as eager ones)
         model.compile_training()
     optimizer = make_optimizer(model, cfg)
     if state is not None:
