@@ -83,7 +83,7 @@ case $THREADS in ''|*[!0-9]*|0*) echo "THREADS must be a whole number >= 1, got 
 # at 8 x 512, 1.07x the tokens/s of AR and 1.15-1.20x of block diffusion, 1.25x of SFT at 4 x 1,024,
 # after a first step that compiles for ~3 minutes a stage and shape (~30 s when inductor's cache already holds the
 # graphs: the cache is kept in $RUNS/inductor-cache, so later sittings find it). It may change between sittings.
-# bf16 runs and PROCS > 1 train eagerly (`clover train` says so). COMPILE=0: eager.
+# bf16 runs and PROCS > 1 compile too (since 2026-12-06; each process compiles its own graphs). COMPILE=0: eager.
 COMPILE=${COMPILE:-1}
 case $COMPILE in 0|1) ;; *) echo "COMPILE must be 0 or 1, got '$COMPILE'" >&2; exit 2;; esac
 case $RUNS in /*) runs_abs=$RUNS;; *) runs_abs=$PWD/$RUNS;; esac
