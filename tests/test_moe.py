@@ -103,6 +103,7 @@ def test_compiled_passes_index_the_tokens_own_experts_while_they_read_fewer_weig
     beyond it the grouped dispatch; the module's output is the reference's whichever runs."""
     from clover.model import moe
 
+    moe.keep_grouped_dispatch_out_of_graphs()   # (what compiling a pass does first)
     module = SparseMoE(384, 128, 128, num_experts=8, top_k=2)
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.05)
@@ -119,3 +120,20 @@ def test_compiled_passes_index_the_tokens_own_experts_while_they_read_fewer_weig
     want = experts_reference(x, module.experts.gate_up_proj, module.experts.down_proj, weights, experts)
     want = want + torch.sigmoid(module.shared_expert_gate(x)) * module.shared_expert(x)
     assert_close(out, want, atol=1e-5, what="module output")
+
+
+def test_a_model_compiled_by_the_user_before_any_pass_of_ours_traces_the_grouped_dispatch(monkeypatch):
+    """`torch.compile(model)` called directly, before this package compiled anything (so dynamo's wrapper was
+    never made): a large pass takes the plain grouped dispatch, with the same output."""
+    from clover.model import moe
+
+    monkeypatch.setattr(moe, "_grouped_outside_graph", None)
+    ran = []
+    monkeypatch.setattr(moe, "experts_grouped", lambda *a, fn=moe.experts_grouped: ran.append(1) or fn(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    module = SparseMoE(384, 128, 128, num_experts=8, top_k=2)
+    x = torch.randn(73, 384)
+    out, _ = module(x)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    eager, _ = module(x)
+    assert ran == [1, 1] and torch.equal(out, eager)

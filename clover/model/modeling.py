@@ -43,7 +43,7 @@ from clover.model.gdn import (
     right_conv,
     valid_mask,
 )
-from clover.model.moe import SparseMoE, load_balancing_loss
+from clover.model.moe import SparseMoE, keep_grouped_dispatch_out_of_graphs, load_balancing_loss
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,13 @@ class RMSNorm(nn.Module):
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def _building_a_shell() -> bool:
+    """Whether modules are being built on the meta device (`with torch.device("meta")`): a shell whose
+    parameters a checkpoint fills. Nothing is drawn for it, since `normal_` on meta runs torch's Python
+    decompositions, which import dynamo (1.8 s on 2 cores) into a process that may never compile."""
+    return torch.get_default_device().type == "meta"
 
 
 class GatedRMSNorm(nn.Module):
@@ -82,7 +89,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
         r = config.rotary_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+        inv_freq = torch.empty(r // 2) if _building_a_shell() else \
+            1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +181,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(d, self.heads, bias=False)
         self.conv1d = nn.Conv1d(q_ch, q_ch, w, groups=q_ch, bias=False)       # weight [Q,1,W]
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
-        self.A_log = nn.Parameter(torch.empty(self.heads).uniform_(0.01, 16).log())
+        a_log = torch.empty(self.heads)
+        self.A_log = nn.Parameter(a_log if _building_a_shell() else a_log.uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(config.linear_value_dim, d, bias=False)
         # Clover extras at their neutral init (spec section 3).
@@ -255,7 +264,8 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        shape = (config.vocab_size, config.hidden_size)   # (nn.Embedding draws its weight unless given one)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape) if _building_a_shell() else None)
         self.layers = nn.ModuleList([DecoderLayer(config, t) for t in config.layer_types])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -452,7 +462,8 @@ class CloverForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
-        self.apply(self._init_weights)
+        if not _building_a_shell():
+            self.apply(self._init_weights)
         self._compiled: dict[str, Callable] = {}   # compiled passes by name, see compile_decode
         self._compiled_ran: set[str] = set()        # the passes that have completed a compiled call
         self._train_run: Callable | None = None     # the compiled layer stack of training, see compile_training
@@ -633,6 +644,7 @@ class CloverForCausalLM(nn.Module):
             return
         try:
             self._train_run = torch.compile(self._run_layers, dynamic=False)
+            keep_grouped_dispatch_out_of_graphs()
         except RuntimeError as exc:   # e.g. a Python that dynamo does not support
             logger.warning("torch.compile unavailable, training eagerly: %s", exc)
             return
@@ -815,6 +827,7 @@ class CloverForCausalLM(nn.Module):
             self._compiled = {name: torch.compile(fn, dynamic=True, options=dict(options)) for name, fn in  # (pops keys)
                               (("step", self._steps), ("check", self._check_views), ("keep", self._keep_views),
                                ("preview", self._preview_views), ("fused", self._fused_views))}
+            keep_grouped_dispatch_out_of_graphs()
         except RuntimeError as exc:   # e.g. a Python that dynamo does not support
             logger.warning("torch.compile unavailable, decoding eagerly: %s", exc)
             self._compiled = {}

@@ -7,6 +7,8 @@ Tensor names match transformers: `gate.weight` [E,D], `experts.gate_up_proj` [E,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,7 +87,18 @@ def experts_gathered(
 # holds). The indexed weights may be copied (eagerly they are; inductor's matmuls may want them contiguous),
 # T x K experts where tokens share some: near E / K tokens of wide experts that is more traffic than the
 # grouped dispatch's reads (not measured on such a shape). Eagerly the grouped dispatch stays.
-_grouped_outside_graph = torch.compiler.disable(experts_grouped)
+_grouped_outside_graph: Callable[..., torch.Tensor] | None = None   # set by `keep_grouped_dispatch_out_of_graphs`
+
+
+def keep_grouped_dispatch_out_of_graphs() -> None:
+    """Wrap the grouped dispatch in `torch.compiler.disable` for the graphs compiled from now on (a graph breaks
+    there and runs it eagerly). Called where this package compiles a pass, not when this module is imported:
+    the wrapper imports dynamo, which took 1.8 of the CLI's 4.8 s of start-up on 2 cores (2026-12-06). A model
+    that a user passes to `torch.compile` directly, before this ran, traces `experts_grouped` itself: dynamo
+    breaks the graph at its `tolist()` and may recompile per routing (slower, the same results)."""
+    global _grouped_outside_graph
+    if _grouped_outside_graph is None:
+        _grouped_outside_graph = torch.compiler.disable(experts_grouped)
 _COMPILED_DENSE_WASTE = 64 * 6 * 384 * 128
 
 
@@ -175,7 +188,7 @@ class SparseMoE(nn.Module):
                 dispatch = experts_gathered   # a decode step: only the experts its tokens use are read
             else:
                 dense = flat.shape[0] * (e - self.top_k) * d * width <= _COMPILED_DENSE_WASTE
-                dispatch = experts_dense if dense else _grouped_outside_graph
+                dispatch = experts_dense if dense else (_grouped_outside_graph or experts_grouped)
         else:
             dispatch = experts_grouped
         routed = dispatch(flat, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
