@@ -5,6 +5,8 @@ matches an uninterrupted one."""
 import contextlib
 import json
 import shutil
+import time
+import types
 
 import pytest
 from fastapi import FastAPI, Request
@@ -92,9 +94,10 @@ def endpoint():
 
 
 def _cfg(url, suites=SUITES, **kw):
+    kw = {"infra_retries": 1, "infra_backoff_s": 0.0, **kw}
     return harness.HarnessConfig(endpoints=[harness.Endpoint(url, "m")], suites=suites, tasks_per_suite=4, runs=2,
-                                 infra_retries=1, conditions=[{"algorithm": "ar"},
-                                                              {"algorithm": "low_confidence", "block_size": 32}], **kw)
+                                 conditions=[{"algorithm": "ar"}, {"algorithm": "low_confidence", "block_size": 32}],
+                                 **kw)
 
 
 def test_oracle_endpoint_solves_every_suite(endpoint, tmp_path):
@@ -171,6 +174,21 @@ def test_broken_endpoints_score_zero_with_the_right_reason(endpoint, tmp_path, m
         assert calls["n"] == 4 * len(suites) * 2  # one retry each
     else:
         assert summary["success_mean"] == 0.0
+
+
+def test_infrastructure_retries_wait_the_configured_backoff(endpoint, tmp_path, monkeypatch):
+    """Retry k of a task run waits infra_backoff_s * 2**k seconds, at most 10 (the tests run with 0: no wait)."""
+    url, _ = endpoint("down")
+    cfg = _cfg(url, suites=("tools",), infra_retries=3, infra_backoff_s=3.0)
+    cfg.tasks_per_suite, cfg.runs, cfg.conditions = 1, 1, [{}]
+    waits = []
+    clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    clock.sleep = waits.append
+    monkeypatch.setattr(harness, "time", clock)   # the harness's waits only
+    harness.run_harness(cfg, tmp_path / "run")
+    assert waits == [3.0, 6.0, 10]
+    with pytest.raises(ValueError, match="backoff must be a number of seconds >= 0"):
+        _cfg(url, infra_backoff_s=-1.0)
 
 
 def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):

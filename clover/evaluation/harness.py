@@ -57,6 +57,7 @@ class HarnessConfig:
     request_timeout_s: float = 120.0
     max_tokens: int = 256
     infra_retries: int = 2
+    infra_backoff_s: float = 1.0   # the wait before retry k (k = 0, 1, ...) is this times 2**k, at most 10 s
     thinking: bool = False
 
     def __post_init__(self) -> None:
@@ -64,6 +65,8 @@ class HarnessConfig:
             raise ValueError("give at least one endpoint")
         if len({e.name for e in self.endpoints}) != len(self.endpoints):
             raise ValueError("endpoint names must differ; label them with name=URL")
+        if not self.infra_backoff_s >= 0:
+            raise ValueError("the retry backoff must be a number of seconds >= 0")
         if self.runs < 1 or (self.tasks_per_suite is not None and self.tasks_per_suite < 1) or self.step_limit < 1:
             raise ValueError("runs, tasks per suite and the step limit must be at least 1")
         if not all(isinstance(c, dict) for c in self.conditions):
@@ -273,7 +276,7 @@ def _attempt(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht: H
         except InfraError as exc:
             res = _infra_failure(exc)
             if attempt < cfg.infra_retries:
-                time.sleep(min(2 ** attempt, 10))
+                time.sleep(min(cfg.infra_backoff_s * 2 ** attempt, 10))
     res["attempts"] = attempt + 1
     return res
 
@@ -289,7 +292,8 @@ def _metadata(cfg: HarnessConfig) -> dict:
             "suites": list(cfg.suites), "tasks_per_suite": cfg.tasks_per_suite, "runs": cfg.runs,
             "conditions": cfg.conditions, "step_limit": cfg.step_limit, "task_timeout_s": cfg.task_timeout_s,
             "request_timeout_s": cfg.request_timeout_s, "max_tokens": cfg.max_tokens, "thinking": cfg.thinking,
-            "infra_retries": cfg.infra_retries, "python": platform.python_version(), "torch": torch.__version__,
+            "infra_retries": cfg.infra_retries, "infra_backoff_s": cfg.infra_backoff_s,
+            "python": platform.python_version(), "torch": torch.__version__,
             "httpx": httpx.__version__, "machine": platform.machine(), "processor": platform.processor(),
             "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
