@@ -143,7 +143,7 @@ def test_generate_takes_one_prompt_and_names_a_file_that_is_not_text(text_model,
 
 
 def test_start_up_and_eager_generation_do_not_import_dynamo(text_model):
-    """dynamo is imported where a pass is compiled (`--compile`), not before: it took 1.8 of the command's 4.8 s
+    """dynamo is imported where a pass is compiled (`--compile`), not before: it took 1.8 of the command's ~4.1 s
     of start-up on 2 cores (2026-12-06), paid by every command, `--help` and a mistyped flag included."""
     code = ("import sys\nfrom clover.cli import main\n"
             f"assert main(['generate', 'def f(', '--model', {text_model!r}, '--max-new-tokens', '6']) == 0\n"

@@ -66,7 +66,7 @@ def _building_a_shell() -> bool:
     """Whether modules are being built on the meta device (`with torch.device("meta")`): a shell whose
     parameters a checkpoint fills. Nothing is drawn for it, since `normal_` on meta runs torch's Python
     decompositions, which import dynamo (1.8 s on 2 cores) into a process that may never compile."""
-    return torch.get_default_device().type == "meta"
+    return torch.empty(0).device.type == "meta"   # (torch.get_default_device() sees the context from 2.8 only)
 
 
 class GatedRMSNorm(nn.Module):
@@ -89,7 +89,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
         r = config.rotary_dim
-        inv_freq = torch.empty(r // 2) if _building_a_shell() else \
+        inv_freq = torch.empty((r + 1) // 2) if _building_a_shell() else \
             1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

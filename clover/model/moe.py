@@ -87,19 +87,19 @@ def experts_gathered(
 # holds). The indexed weights may be copied (eagerly they are; inductor's matmuls may want them contiguous),
 # T x K experts where tokens share some: near E / K tokens of wide experts that is more traffic than the
 # grouped dispatch's reads (not measured on such a shape). Eagerly the grouped dispatch stays.
+_COMPILED_DENSE_WASTE = 64 * 6 * 384 * 128
 _grouped_outside_graph: Callable[..., torch.Tensor] | None = None   # set by `keep_grouped_dispatch_out_of_graphs`
 
 
 def keep_grouped_dispatch_out_of_graphs() -> None:
     """Wrap the grouped dispatch in `torch.compiler.disable` for the graphs compiled from now on (a graph breaks
     there and runs it eagerly). Called where this package compiles a pass, not when this module is imported:
-    the wrapper imports dynamo, which took 1.8 of the CLI's 4.8 s of start-up on 2 cores (2026-12-06). A model
+    the wrapper imports dynamo, which took 1.8 of the command's ~4.1 s of start-up on 2 cores (2026-12-06). A model
     that a user passes to `torch.compile` directly, before this ran, traces `experts_grouped` itself: dynamo
     breaks the graph at its `tolist()` and may recompile per routing (slower, the same results)."""
     global _grouped_outside_graph
     if _grouped_outside_graph is None:
         _grouped_outside_graph = torch.compiler.disable(experts_grouped)
-_COMPILED_DENSE_WASTE = 64 * 6 * 384 * 128
 
 
 def experts_reference(
