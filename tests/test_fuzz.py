@@ -100,7 +100,7 @@ def http():
                                  eos_token_id=tok.eos_token_ids, max_position_embeddings=256)
     torch.manual_seed(0)   # a real (random, tiny) model: every decoder and every forward mode runs
     # a request without max_tokens writes up to 24 tokens, not the server's default 512 cut to the 256-token context
-    # (up to 2.8 s a request on 2 cores: this file took 39 s alone, 21 s with 24; 2026-12-06)
+    # (up to 2.8 s a request on 2 cores: the two never-5xx tests took 39 s alone; the file 21 s with 24; 2026-12-06)
     app = build_app(CloverForCausalLM(config).eval(), tok, ServerConfig(model_name="m", max_body_bytes=64 << 10,
                                                                            default_max_tokens=24))
     with TestClient(app, raise_server_exceptions=False) as client:
