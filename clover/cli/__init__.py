@@ -1,4 +1,4 @@
-"""The command line: `clover ...` (`commands`: init, convert, info, check and the dispatch), generation
+"""The command line: `clover ...` (`commands`: init, convert, export, info, check and the dispatch), generation
 and serving (`generate`), data, training and plots (`train`), evaluations and the serving benchmark
 (`evaluate`). The top layer: it may import all others.
 """

@@ -9,9 +9,10 @@
     clover chat                                                    interactive multi-turn chat
     clover serve [--port 8000]                                     OpenAI-compatible server
     clover data build --out DIR                                    offline corpus, tokenizer, token shards
+    clover data distill --model M --data DIR --out DIR             self-distillation data: a model's greedy outputs
     clover train --data DIR --out RUN                              AR / diffusion / SFT training, resumable
     clover plot RUN...                                             loss curves as PNG
-    clover eval bpb|match|tasks                                    held-out evaluations for the model card
+    clover eval bpb|match|copy|turns|tasks|agent                   held-out evaluations, the agent harness
     clover bench serve --endpoint URL                              serving benchmark (TTFT, TPOT, ITL, E2EL)
 """
 

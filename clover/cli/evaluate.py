@@ -200,8 +200,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="base URL ending in /v1, optionally NAME=URL (repeatable: endpoints side by side)")
     a.add_argument("--model", action="append", required=True, help="model name (one for all, or one per endpoint)")
     a.add_argument("--suite", default="tools,memory", help="comma-separated: synthetic, tools, memory, heldout, coding, humaneval")
-    a.add_argument("--tasks", type=positive_int, help="tasks per suite (default: synthetic 100, tools 12, memory 12, coding 8, humaneval "
-                   "all 164)")
+    a.add_argument("--tasks", type=positive_int, help="tasks per suite (default: synthetic 100, tools 12, memory 12, heldout 12, coding 8, "
+                   "humaneval all 164)")
     a.add_argument("--runs", type=positive_int, default=3)
     a.add_argument("--condition", type=json_object, action="append", default=[], help="JSON extra body fields (repeatable: a sweep)")
     a.add_argument("--step-limit", type=positive_int, default=40)

@@ -1,4 +1,4 @@
-"""`clover generate` and `clover chat`: decoding from the terminal."""
+"""`clover generate` and `clover chat`: decoding from the terminal; `clover serve`: the OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -342,7 +342,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_model_options(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $CLOVER_API_KEY, so "
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $CLOVER_API_KEY, so "
                                      "that the key need not appear in the process list)")
     p.add_argument("--max-batch-size", type=positive_int, default=32, help="sequences decoded together")
     p.add_argument("--max-queue", type=nonnegative_int, default=64,
