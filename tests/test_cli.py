@@ -311,3 +311,18 @@ def test_data_build_refuses_a_bad_vocabulary_or_tokenizer_before_building_the_co
     """Found by a hostile pass: these failed only after the corpus was built (minutes), leaving its files."""
     assert cli_main(["data", "build", "--out", str(tmp_path / "d"), "--cache", str(tmp_path / "cache"), *args]) == 1
     assert message in capsys.readouterr().err and not (tmp_path / "d").exists() and not (tmp_path / "cache").exists()
+
+
+def test_eval_agent_help_states_every_suites_default_task_count():
+    # the help text writes the counts out (importing the suites would slow every command's start-up), so it is
+    # checked against the suites' own defaults here: it once left out a suite
+    import argparse
+
+    from clover.cli.commands import build_parser
+    from clover.evaluation.suites import SUITES
+
+    eval_sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["eval"]
+    agent = next(a for a in eval_sub._actions if isinstance(a, argparse._SubParsersAction)).choices["agent"]
+    text = " ".join(next(a for a in agent._actions if "--tasks" in a.option_strings).help.split())
+    for name, suite in SUITES.items():
+        assert f"{name} {suite.default_count}" in text or f"{name} all {suite.default_count}" in text, name
