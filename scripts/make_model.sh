@@ -4,10 +4,11 @@
 #   -> self-distillation (the noisy stream learns the model's own greedy ar outputs) -> a second round of
 #   SFT and self-distillation -> a third SFT round -> two rounds of SFT with recall drills -> release.
 # Every stage resumes where it stopped: after an interruption, run the same command again.
-# Training takes about 5.5 hours on 2 idle CPU cores (about 330 minutes at the median rates of the shipped build;
-# on an AVX-512 EPYC of 2026 AR pretraining runs at ~2,650 tokens/s in fp32, 1.6x that build's median rate, so
-# about 3.4 hours there: an estimate, not yet timed end to end; on an AVX2 EPYC at 2 GHz, 868 tokens/s, about 10.5);
-# override the step counts with the variables below.
+# Training time depends on the CPU (2 cores; measured, stage wall time): 160 minutes on an AVX-512 EPYC in bf16
+# autocast (session 34); with EXT_STEPS=300, 1,015 minutes on an AVX2 EPYC at 2 GHz in fp32 (session 44, compiled);
+# the shipped build's stages took about 330 minutes at their median rates. AR pretraining runs at ~3,200 tokens/s
+# on a Xeon with AMX (bf16, compiled), ~2,650 on the AVX-512 EPYC (fp32), 868 on the AVX2 EPYC (fp32, eager).
+# Override the step counts with the variables below.
 # Chat rows are packed with several conversations (--pack); SFT keeps code and English in the mix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
