@@ -71,6 +71,30 @@ def test_joining_between_steps_does_not_change_outputs(sharp_model):
     assert [results[i] for i in ids] == alone
 
 
+def test_finished_rows_are_refilled_from_above_and_no_output_changes(sharp_model):
+    """When a sequence finishes, the running sequence in the highest row moves into its row (`Engine._compact`),
+    so that each step's rows stay consecutive (a slice of the cache, which compiled passes need), with the
+    running list in row order; moving a sequence, mid-block or mid-prefill, changes none of its tokens."""
+    engine = Engine(sharp_model, max_batch_size=4)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, algorithm=a, threshold=0.75)
+              for n, a in zip([3, 21, 6, 17], ["ar", "verify", "low_confidence", "ar"], strict=True)]
+    params[2] = params[2].with_(block_size=4)
+    alone = [engine.generate([p], [sp])[0].token_ids for p, sp in zip(PROMPTS, params, strict=True)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+    first_rows, moved, results = {}, set(), {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.finished:
+                results[ev.request_id] = ev.result.token_ids
+        for s in engine.running:
+            first_rows.setdefault(s.rid, s.row)
+            if s.row != first_rows[s.rid]:
+                moved.add(s.rid)
+        assert [s.row for s in engine.running] == list(range(len(engine.running)))
+    assert moved                                   # the test moved sequences: ...
+    assert [results[i] for i in ids] == alone      # ... and none of them changed
+
+
 def test_same_seed_same_sample_and_seeds_differ(sharp_model):
     engine = Engine(sharp_model)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.5, top_p=0.95, top_k=50, seed=7)

@@ -241,3 +241,25 @@ def test_the_next_turn_reuses_a_verify_reply_drafted_from_its_context(model):
     got = engine.generate([turn2], _params("verify"))[0]
     assert got.token_ids == Engine(model).generate([turn2], _params("verify"))[0].token_ids
     assert got.stats.cached_tokens >= (len(turn1) + len(truth)) // 8 * 8 - 8
+
+
+
+def test_move_row_carries_a_sequence_and_leaves_the_other_rows_alone(model):
+    """`PrefixCache.move_row`: the moved row's committed K/V (up to its length), GDN state, ring and length,
+    in its new row; the other rows untouched."""
+    torch.manual_seed(0)
+    cache = model.new_cache(3)
+    cache.reserve(16)
+    for x in cache.keys + cache.values + cache.states + cache.rings:
+        if x is not None:
+            x.copy_(torch.randn_like(x))
+    cache.lengths[:] = torch.tensor([5, 9, 12])
+    kv = [x.clone() for x in cache.keys + cache.values if x is not None]
+    recurrent = [x.clone() for x in cache.states + cache.rings if x is not None]
+    assert kv and recurrent                        # the model has both kinds of layer
+    cache.move_row(2, 0)
+    assert cache.lengths.tolist() == [12, 9, 12]
+    for a, b in zip(kv, [x for x in cache.keys + cache.values if x is not None], strict=True):
+        assert torch.equal(b[0, :, :12], a[2, :, :12]) and torch.equal(b[1:], a[1:])
+    for a, b in zip(recurrent, [x for x in cache.states + cache.rings if x is not None], strict=True):
+        assert torch.equal(b[0], a[2]) and torch.equal(b[1:], a[1:])

@@ -150,6 +150,20 @@ class PrefixCache:
                 if x is not None:
                     x[r] = 0
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Move the sequence in row `src` to row `dst`: its committed K/V, GDN state, conv ring and length
+        (K/V past the length are never read, so they stay behind). Row `src` is then free."""
+        n = int(self.lengths[src])
+        for store in (self.keys, self.values):
+            for x in store:
+                if x is not None:
+                    x[dst, :, :n] = x[src, :, :n]
+        for xs in (self.states, self.rings):
+            for x in xs:
+                if x is not None:
+                    x[dst] = x[src]
+        self.lengths[dst] = n
+
     def select(self, index: torch.Tensor | list[int]) -> PrefixCache:
         """A cache holding only the sequences at `index` (in that order)."""
         idx = torch.as_tensor(index, dtype=torch.long, device=self.lengths.device)
