@@ -222,8 +222,9 @@ def main() -> None:
     lines += ["", "## Measured", ""]
     if bpb_ar:
         parent_file = runs / "diff-init" / "PARENT"   # the model make_model.sh converted (the ext stage's, if any)
-        parent = "RUNS/" + Path(parent_file.read_text().strip()).relative_to(runs).as_posix() \
-            if parent_file.is_file() and Path(parent_file.read_text().strip()).is_relative_to(runs) else "RUNS/ar/model"
+        converted = Path(parent_file.read_text().strip()) if parent_file.is_file() else None
+        parent = ("RUNS/" + converted.relative_to(runs).as_posix() if converted is not None
+                  and converted.is_relative_to(runs) else "RUNS/ar/model")
         lines += [f"Held-out bits per byte (`clover eval bpb --model {parent} --data data` for the AR "
                   "parent, the same with `--model clover/weights/clover-tiny` for the release; test split, "
                   "windows of 512 tokens):", "",
