@@ -243,7 +243,6 @@ def test_the_next_turn_reuses_a_verify_reply_drafted_from_its_context(model):
     assert got.stats.cached_tokens >= (len(turn1) + len(truth)) // 8 * 8 - 8
 
 
-
 def test_move_row_carries_a_sequence_and_leaves_the_other_rows_alone(model):
     """`PrefixCache.move_row`: the moved row's committed K/V (up to its length), GDN state, ring and length,
     in its new row; the other rows untouched."""

@@ -636,7 +636,7 @@ class Engine:
                 self.prefilling.remove(s)
         if not self.running and not self.waiting:
             self.cache, self.free_rows = None, []  # idle: give the memory back
-        elif self.running and self.free_rows and self.free_rows[0] < max(s.row for s in self.running):
+        elif self.free_rows:
             self._compact()
 
     def _compact(self) -> None:
@@ -646,7 +646,7 @@ class Engine:
         that is left when some sequences finish before the others decodes eagerly, at up to 3x the time
         of a compiled step (docs/measurements.md, session 45)."""
         for s in sorted(self.running, key=lambda s: s.row, reverse=True):
-            if self.free_rows[0] > s.row:
+            if self.free_rows[0] > s.row:   # the rows below s are all taken: the running ones are consecutive
                 break
             dst = self.free_rows.pop(0)
             self.cache.move_row(s.row, dst)
