@@ -303,6 +303,42 @@ def test_converting_a_clover_checkpoint_says_the_mask_row_is_reset_or_keeps_it(t
     assert torch.equal(load_checkpoint(tmp_path / "kept").model.embed_tokens.weight[debug_config.mask_token_id], row)
 
 
+def test_convert_refuses_a_mask_token_other_than_its_tokenizers(tmp_path, debug_config, capsys):
+    """A source with Clover's tokenizer has a mask token: `--mask-token-id` naming another token would make
+    diffusion mask with ordinary text (found by a hostile pass: training took it, generation refused it)."""
+    from clover.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(SHIPPED)
+    config = CloverConfig.preset("debug", mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_ids,
+                                 vocab_size=tok.vocab_size)
+    save_checkpoint(CloverForCausalLM(config), tmp_path / "c", extra_files=tok.files())
+    assert cli_main(["convert", str(tmp_path / "c"), str(tmp_path / "bad"), "--mask-token-id", "100"]) == 1
+    assert f"its own mask token ({tok.mask_token_id})" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    assert cli_main(["convert", str(tmp_path / "c"), str(tmp_path / "ok"), "--mask-token-id",
+                     str(tok.mask_token_id)]) == 0
+    assert load_checkpoint(tmp_path / "ok").config.mask_token_id == tok.mask_token_id
+
+
+def test_converting_again_with_another_block_size_decodes_at_it(tmp_path, debug_config):
+    """The generation config of a directory written again is kept (someone's decoding defaults) except where it
+    only stated the model: a block size that was the model's follows the new one (it stayed 8 over a model
+    converted to block 4 before), one chosen apart from it stays."""
+    save_checkpoint(CloverForCausalLM(debug_config), tmp_path / "c")
+    target = tmp_path / "t"
+    gen = target / "generation_config.json"
+    assert cli_main(["convert", str(tmp_path / "c"), str(target)]) == 0
+    assert json.loads(gen.read_text())["block_size"] == debug_config.block_size
+    mine = {**json.loads(gen.read_text()), "threshold": 0.8}
+    gen.write_text(json.dumps(mine))
+    assert cli_main(["convert", str(tmp_path / "c"), str(target), "--block-size", "4"]) == 0
+    assert json.loads(gen.read_text()) == {**mine, "block_size": 4}
+    assert load_checkpoint(target).config.block_size == 4
+    gen.write_text(json.dumps({**mine, "block_size": 2}))   # chosen apart from the model's 4
+    assert cli_main(["convert", str(tmp_path / "c"), str(target), "--block-size", "8"]) == 0
+    assert json.loads(gen.read_text())["block_size"] == 2
+
+
 def test_sanitize_packs_per_expert_tensors_and_drops_extras():
     gate, up, down = torch.randn(3, 4), torch.randn(3, 4), torch.randn(4, 3)
     tensors = {f"model.language_model.layers.0.mlp.experts.{e}.{n}.weight": t * (e + 1)
@@ -418,6 +454,25 @@ def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatc
     (real / "manifest.json").write_text("older")
     assert cli_main(["data", "build", "--out", ".", "--tokenizer", str(SHIPPED)]) == 0
     assert (real / "manifest.json").read_text() == "new" and sorted(p.name for p in real.parent.iterdir()) == ["data"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names open files through /proc")
+def test_a_saved_checkpoint_is_on_the_disk_before_it_is_renamed_into_place(tmp_path, debug_model, monkeypatch):
+    """Every file of the temp directory, and the directory, is fsynced before the rename (the module said so, and
+    nothing was: after a power cut the rename could survive with empty files, the run's only checkpoint)."""
+    import clover.model.files as files
+
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(files.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                         real_fsync(fd))[1])
+    monkeypatch.setattr(files.os, "replace", lambda a, b: (renamed.append((str(a), len(synced))), real_replace(a, b))[1])
+    save_checkpoint(debug_model, tmp_path / "ck")
+    tmp, count = renamed[-1]
+    done = synced[:count]
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names and set(names) <= {Path(p).name for p in done if Path(p).parent == Path(tmp)}
+    assert tmp in done   # the directory that lists them
 
 
 def test_saved_checkpoints_follow_the_umask_not_the_temp_dir_mode(tmp_path, debug_model):

@@ -133,6 +133,36 @@ def default_generation_config(config: CloverConfig) -> dict:
             "mask_token_id": config.mask_token_id}
 
 
+def _kept_generation_config(directory: Path, config: CloverConfig) -> str | None:
+    """The `generation_config.json` in `directory`, to keep over a new save of a model with `config` (None where
+    there is none). It is someone's choice of decoding defaults, except where it states the model: its block
+    size and special tokens follow the new model where they were the old model's (a checkpoint converted
+    again with another --block-size decodes at the new one). A file that is not a JSON object, or one beside
+    no readable config.json, is kept as it is."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    try:
+        kept = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(kept, dict):
+        return text
+    try:
+        before = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        before = None
+    if not isinstance(before, dict):
+        return text
+    now = default_generation_config(config)
+    stale = [key for key in ("block_size", "eos_token_id", "mask_token_id")
+             if key in kept and key in before and kept[key] == before[key] != now[key]]
+    if not stale:
+        return text
+    return json.dumps({**kept, **{key: now[key] for key in stale}}, indent=2) + "\n"
+
+
 def save_checkpoint(
     model: CloverForCausalLM, directory: str | os.PathLike, dtype: str | torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_files: dict[str, str | bytes] | None = None,
@@ -147,8 +177,7 @@ def save_checkpoint(
         t = t.detach().to("cpu")
         tensors[name] = (t.to(target_dtype) if target_dtype is not None and t.is_floating_point() else t).contiguous()
     target = Path(directory)
-    old_gen = target / "generation_config.json"
-    generation = old_gen.read_text() if old_gen.is_file() else None
+    generation = _kept_generation_config(target, model.config)
 
     def fill(tmp: Path) -> None:
         model.config.save(tmp)
@@ -336,11 +365,17 @@ def convert_transformers_checkpoint(
         raise CheckpointError(f"{cfg_path} must hold a JSON object")
     if block_size is not None:
         data["block_size"] = block_size
-    if mask_token_id is None and "mask_token_id" not in data and (source / "tokenizer.json").is_file():
-        try:   # a tokenizer with Clover's mask token (an exported Clover checkpoint): that token, not the last row
-            mask_token_id = Tokenizer.load(source).mask_token_id
+    own = None   # the mask token of a tokenizer with Clover's (an exported Clover checkpoint)
+    if (source / "tokenizer.json").is_file():
+        try:
+            own = Tokenizer.load(source).mask_token_id
         except TokenizerError:
             pass
+    if own is not None and mask_token_id is not None and mask_token_id != own:
+        raise CheckpointError(f"--mask-token-id {mask_token_id}: {source}'s tokenizer has its own mask token ({own}); "
+                              "another id would mask with an ordinary token")
+    if mask_token_id is None and "mask_token_id" not in data:
+        mask_token_id = own   # that token, not the last row
     if mask_token_id is not None:
         data["mask_token_id"] = mask_token_id
     config = CloverConfig.from_dict(data)

@@ -136,6 +136,25 @@ def _share(tmp: Path) -> None:
                 os.chmod(path, (0o777 if name in dirs else 0o666) & ~_UMASK)
 
 
+def _sync(tmp: Path) -> None:
+    """Flush every file under `tmp` to the disk, then the directories that list them, so that a rename of `tmp`
+    that survives a power cut never names empty files."""
+    for root, _dirs, files in os.walk(tmp, topdown=False):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> None:
     """Create `target` atomically: `fill(tmp_dir)` writes into a sibling temp dir that is renamed into place.
     A crash at any point leaves either the old or the new version (`recover_directory` completes a swap).
@@ -147,6 +166,7 @@ def write_directory(target: str | os.PathLike, fill: Callable[[Path], None]) -> 
     try:
         fill(tmp)
         _share(tmp)
+        _sync(tmp)
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)
