@@ -150,7 +150,11 @@ if [ "$EXT_STEPS" -gt 0 ]; then
   parent="$RUNS/ext/model"
 fi
 stage "convert the AR parent into a block-diffusion model"
+if [ -f "$RUNS/diff-init/config.json" ] && [ ! -f "$RUNS/diff-init/PARENT" ] && [ ! -e "$RUNS/diff" ]; then
+  rm -rf "$RUNS/diff-init"   # a sitting stopped between the conversion and its PARENT note: convert again (seconds)
+fi
 if [ -f "$RUNS/diff-init/config.json" ]; then   # converted in an earlier sitting: from the same parent?
+  # (no PARENT: a run from before the note existed, which converted the AR stage's model)
   was=$(cat "$RUNS/diff-init/PARENT" 2> /dev/null || echo "$RUNS/ar/model")
   if [ "$was" != "$parent" ]; then
     echo "$RUNS/diff-init was converted from $was, this run's parent is $parent (EXT_STEPS changed?):" \

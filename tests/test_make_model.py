@@ -121,3 +121,42 @@ def test_a_bad_process_thread_or_compile_setting_stops_before_anything_runs(tmp_
     want = "must be 0 or 1" if name == "COMPILE" else "must be a whole number >= 1"
     assert done.returncode == 2 and want in done.stderr, done.stderr
     assert not mark.exists() and not (tmp_path / "data").exists()
+
+
+def _convert(tmp_path: Path, runs: Path, parent: str) -> subprocess.CompletedProcess:
+    """Run make_model.sh's conversion step (from its `stage "convert` line to the next stage) with PARENT
+    `parent` and a stand-in `clover convert` that records its arguments and writes a config.json."""
+    script = (ROOT / "scripts" / "make_model.sh").read_text()
+    step = re.search(r'^stage "convert .*?(?=^stage )', script, re.S | re.M)
+    assert step, "make_model.sh has a conversion stage"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "clover").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\nmkdir -p "$3"\n'
+                                    'echo "{}" > "$3/config.json"\n')
+    (bin_dir / "clover").chmod(0o755)
+    program = (f'set -euo pipefail\nBIN={bin_dir}; RUNS={runs}; parent={parent}; stage() {{ :; }}; '
+               f'timed() {{ shift; "$@"; }}\n{step.group(0)}')
+    return subprocess.run(["bash", "-c", program], env={"RECORD": str(tmp_path / "args.txt"), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True)
+
+
+def test_a_conversion_stopped_before_its_parent_note_is_made_again(tmp_path):
+    """Found by a hostile pass: a sitting stopped between `clover convert` and writing diff-init/PARENT left a
+    conversion the next sitting took for one from the AR stage's model, and a recipe with the extension
+    stage then stopped (exit 2) asking to remove it. Before the adaptation has started it is converted again;
+    after, a missing note still means the AR stage's model (runs from before the note)."""
+    runs = tmp_path / "runs"
+    (runs / "diff-init").mkdir(parents=True)
+    (runs / "diff-init" / "config.json").write_text("{}")
+    done = _convert(tmp_path, runs, f"{runs}/ext/model")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "args.txt").read_text().split() == ["convert", f"{runs}/ext/model", f"{runs}/diff-init"]
+    assert (runs / "diff-init" / "PARENT").read_text().strip() == f"{runs}/ext/model"
+    (tmp_path / "args.txt").unlink()
+    assert _convert(tmp_path, runs, f"{runs}/ext/model").returncode == 0   # converted: kept
+    assert not (tmp_path / "args.txt").exists()
+    (runs / "diff-init" / "PARENT").unlink()
+    (runs / "diff").mkdir()   # the adaptation started from it
+    done = _convert(tmp_path, runs, f"{runs}/ext/model")
+    assert done.returncode == 2 and "was converted from" in done.stderr and not (tmp_path / "args.txt").exists()
+    assert _convert(tmp_path, runs, f"{runs}/ar/model").returncode == 0
