@@ -95,6 +95,29 @@ def test_finished_rows_are_refilled_from_above_and_no_output_changes(sharp_model
     assert [results[i] for i in ids] == alone      # ... and none of them changed
 
 
+def test_aborting_a_lower_row_outside_inference_mode_moves_the_others_unchanged(sharp_model):
+    """Found by a hostile pass: the server aborts (a client gone) between steps, outside inference mode, and the
+    compaction after it wrote the cache in place, which torch refuses for a tensor made in inference mode: the
+    engine thread died and every request hung. Aborting the lowest row now moves the others down, and their
+    outputs are those decoded alone."""
+    engine = Engine(sharp_model, max_batch_size=4)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, algorithm=a, threshold=0.75)
+              for a in ("ar", "verify", "low_confidence")]
+    alone = [engine.generate([p], [sp])[0].token_ids for p, sp in zip(PROMPTS[:3], params, strict=True)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params, strict=True)]
+    engine.step()
+    engine.step()
+    assert not torch.is_inference_mode_enabled()
+    assert engine.abort(ids[0])
+    assert [s.row for s in engine.running] == [0, 1]
+    results = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.finished:
+                results[ev.request_id] = ev.result.token_ids
+    assert [results[i] for i in ids[1:]] == alone[1:]
+
+
 def test_same_seed_same_sample_and_seeds_differ(sharp_model):
     engine = Engine(sharp_model)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.5, top_p=0.95, top_k=50, seed=7)

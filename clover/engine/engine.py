@@ -147,8 +147,10 @@ class Engine:
         logits = self.model(torch.tensor([ids], device=self.model.device))[0, :-1]
         return [None, *token_logprobs(logits, ids[1:], top_n)]
 
+    @torch.inference_mode()
     def abort(self, request_id: str) -> bool:
-        """Drop a request (waiting or running) at once, freeing its cache row."""
+        """Drop a request (waiting or running) at once, freeing its cache row (in inference mode, as `step`: the
+        rows compacted after it are written in place, and the cache was made in inference mode)."""
         for s in list(self.waiting):
             if s.rid == request_id:
                 self.waiting.remove(s)
@@ -159,6 +161,13 @@ class Engine:
                 self._retire()
                 return True
         return False
+
+    def clear(self) -> None:
+        """Drop every request, waiting or running, and the batch's cache (the server's way out of a failure
+        whose state it cannot trust; the prefix cache holds only finished blocks and stays)."""
+        self.waiting.clear()
+        self.running, self.prefilling = [], []
+        self.cache, self.free_rows = None, []
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
