@@ -221,6 +221,139 @@ def test_a_disconnected_stream_releases_its_capacity(server):
     assert time.time() - t0 < 10
 
 
+def _wait_running(url, n, timeout=10):
+    deadline = time.time() + timeout
+    while (seen := httpx.get(url + "/health").json())["running"] != n:
+        assert time.time() < deadline, f"never {n} requests running: {seen}"
+        time.sleep(0.01)
+
+
+def _slow_app(target, config, tok, seconds=0.02, **kw):
+    """An app over a scripted model whose forwards take `seconds`, so that requests overlap in the batch."""
+    class Slow(TextScriptModel):
+        def causal(self, *a, **k):
+            time.sleep(seconds)
+            return super().causal(*a, **k)
+
+    return build_app(Slow(target, config), tok, ServerConfig(model_name="m"), generation_defaults={"algorithm": "ar"},
+                     **kw)
+
+
+def test_a_client_that_hangs_up_below_another_request_leaves_it_and_the_server_running():
+    """Found by a hostile pass: the abort compacts the batch's rows, writing the cache in place outside inference
+    mode, which torch refused: the engine thread died, the other stream stalled, /health said ok and every later
+    request hung. Now the other stream ends whole and the server answers."""
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    app = _slow_app(tok.encode("some text ") * 60, config, tok)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "ignore_eos": True,
+            "stream": True, **THINK_OFF}
+    with serve_in_thread(app) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as first:
+            held = first.iter_lines()   # kept: a dropped iterator would close the stream
+            next(held)
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as second:
+                lines = second.iter_lines()
+                next(lines)
+                _wait_running(url, 2)
+                first.close()   # the lower row's client hangs up
+                rest = list(lines)
+        assert "data: [DONE]" in rest and not any('"error"' in line for line in rest)
+        assert sum(line.startswith("data: {") for line in rest) >= 50   # its tokens went on arriving
+        health = httpx.get(url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        done = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_bug_between_steps_fails_the_requests_in_flight_and_the_engine_thread_goes_on(monkeypatch):
+    """Whatever raises on the engine thread outside a request's own failure (here its abort) ends the requests
+    in flight with a server error, never the thread; /health says 503 only once the thread has ended."""
+    from clover.engine.engine import Engine
+
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    app = _slow_app(tok.encode("some text ") * 60, config, tok)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "ignore_eos": True,
+            "stream": True, **THINK_OFF}
+    real_abort = Engine.abort
+    monkeypatch.setattr(Engine, "abort", lambda self, rid: (_ for _ in ()).throw(RuntimeError("abort broke")))
+    with serve_in_thread(app) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as first:
+            held = first.iter_lines()   # kept: a dropped iterator would close the stream
+            next(held)
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as second:
+                lines = second.iter_lines()
+                next(lines)
+                _wait_running(url, 2)
+                first.close()   # its abort raises on the engine thread
+                rest = list(lines)
+        events = [line for line in rest if line.startswith("data: ")]
+        assert '"message": "internal error: engine failure: abort broke"' in events[-1]
+        monkeypatch.setattr(Engine, "abort", real_abort)
+        assert httpx.get(url + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
+        done = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
+        assert done.status_code == 200
+        engine = app.state.engine
+        engine._stop = True
+        engine._wake.set()
+        engine._thread.join(timeout=10)
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "engine stopped"
+
+
+def test_a_stream_whose_client_leaves_while_queued_gives_its_place_up():
+    """Found by a hostile pass: a streamed request was watched for its client's disconnect only once its response
+    had started, at its first event; one whose client gave up while it waited kept its queue place (the next
+    client got 429) and was then prefilled and stepped for no one. Whole replies were already watched."""
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    app = _slow_app(tok.encode("some text ") * 100, config, tok, max_batch_size=1)
+    app.state.engine.max_waiting = 1
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, **THINK_OFF}
+    with serve_in_thread(app) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "max_tokens": 900, "stream": True},
+                          timeout=60) as held:
+            lines = held.iter_lines()   # kept: a dropped iterator would close the stream
+            next(lines)
+            for stream in (False, True):
+                with pytest.raises(httpx.TimeoutException):   # queued behind the held stream: the client gives up
+                    with httpx.stream("POST", url + "/v1/chat/completions",
+                                      json={**chat, "max_tokens": 5, "stream": stream}, timeout=0.5) as r:
+                        r.read()
+                deadline = time.time() + 10
+                while httpx.get(url + "/health").json()["queued"] and time.time() < deadline:
+                    time.sleep(0.05)
+                assert httpx.get(url + "/health").json() == {"status": "ok", "running": 1, "queued": 0}, stream
+
+
+def test_a_request_larger_than_the_batch_and_the_queue_is_a_400_naming_the_limit():
+    """Found by a hostile pass: its sequences are queued one by one, so 64 prompts x n=2 on the default server
+    (32 + 64) got 429 "retry later" on an idle server, every time. A request that fits is served."""
+    from fastapi.testclient import TestClient
+
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    app = build_app(TextScriptModel(tok.encode("some text"), config), tok, ServerConfig(model_name="m", max_waiting=1),
+                    max_batch_size=2, generation_defaults={"algorithm": "ar"})
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **THINK_OFF}
+    with TestClient(app) as http:
+        for path, body, param in (("/v1/chat/completions", {**chat, "n": 4}, "n"),
+                                  ("/v1/completions", {"model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 2}, "n"),
+                                  ("/v1/completions", {"model": "m", "prompt": ["a"] * 4, "max_tokens": 2}, "prompt")):
+            r = http.post(path, json=body)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == param and "asks for 4 sequences" in error["message"]
+            assert "at most 3 at once (--max-batch-size 2 + --max-queue 1)" in error["message"]
+        assert http.post("/v1/chat/completions", json={**chat, "n": 3}).status_code == 200
+        assert http.post("/v1/completions", json={"model": "m", "prompt": ["a"] * 3, "max_tokens": 2}).status_code == 200
+
+
 def test_a_client_that_hangs_up_before_a_whole_reply_stops_its_generation(server):
     url, client = server
     before = _metric(url, "clover_requests_aborted_total")

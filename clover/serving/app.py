@@ -269,12 +269,13 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe, "tpf": completion / nfe if nfe else 0.0,
                 "blocks": sum(c.result.stats.blocks for c in choices if c.result)}
 
-    async def _merged(jobs: list[tuple[list[int], SamplingParams]], request: Request | None = None
+    async def _merged(jobs: list[tuple[list[int], SamplingParams]], request: Request, stream: bool = False
                       ) -> AsyncIterator[tuple[int, Any]]:
         """Events of the sequences of one request ((prompt, params) each: n choices of one or more prompts),
-        tagged with their choice index, in arrival order. With
-        `request` (a reply sent whole), a client that hangs up ends the generation: its sequences are
-        aborted (a stream is cancelled by the server itself when its client leaves)."""
+        tagged with their choice index, in arrival order. A client that hangs up ends the generation: its
+        sequences are aborted (ClientGone). A `stream` is watched until its first event only: its response
+        starts then, and the server cancels it itself when its client leaves (before, a streamed request whose
+        client left while it was queued kept its place and was prefilled and stepped for no one)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, ids: list[int], p: SamplingParams) -> None:
@@ -288,7 +289,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
         tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
         # the body is read: the next message from the client's side is its disconnect
-        watch = asyncio.ensure_future(request.receive()) if request is not None else None
+        watch = asyncio.ensure_future(request.receive())
         try:
             open_ = len(tasks)
             while open_:
@@ -306,6 +307,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                     continue
                 if isinstance(item, BaseException):
                     raise item
+                if stream and watch is not None:
+                    watch.cancel()   # (before the response starts its own watch: one receiver at a time)
+                    watch = None
                 yield i, item
         finally:
             for t in tasks:
@@ -329,6 +333,15 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             return APIError(400, str(exc))
         return APIError(500, f"internal error: {exc}", "server_error")
 
+    def _check_fits(count: int, param: str) -> None:
+        """A request of more sequences (prompts x n) than the batch and the queue hold together could never be
+        accepted whole (its sequences are queued one by one): a 400 naming the limit, not a 429 to retry."""
+        limit = engine.engine.max_batch_size + engine.max_waiting
+        if count > limit:
+            raise APIError(400, f"this request asks for {count} sequences (prompts x n); this server takes at most "
+                                f"{limit} at once (--max-batch-size {engine.engine.max_batch_size} + --max-queue "
+                                f"{engine.max_waiting})", param=param)
+
     def _check_model(name: str | None) -> None:
         if name is not None and name != cfg.model_name:
             raise APIError(404, f"model {name!r} does not exist; this server serves {cfg.model_name!r}",
@@ -349,7 +362,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         params = _n_params(_params(req, max_new, len(ids), _stops(req.stop), want, prompt.constraint), req.n)
         choices = [_Choice(i, prompt.parser()) for i in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        events = _merged([(ids, p) for p in params], None if req.stream else request)
+        _check_fits(len(params), "n")
+        events = _merged([(ids, p) for p in params], request, req.stream)
         try:
             first = await events.__anext__()
         except StopAsyncIteration:
@@ -524,7 +538,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
                     "choices": out, "usage": _usage(prompt_tokens, [])}
 
-        events = _merged(jobs, None if req.stream else request)
+        _check_fits(len(jobs), "n" if req.n > 1 else "prompt")
+        events = _merged(jobs, request, req.stream)
         try:
             first = await events.__anext__()
         except ClientGone:
@@ -627,8 +642,11 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         return {"prompt": tokenizer.decode(req.tokens)}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> dict:
-        return {"status": "ok", "running": engine.engine.num_running, "queued": engine.queue_depth}
+    async def health() -> Response:
+        # 503 where the engine thread has ended (a load balancer or supervisor then takes the server out)
+        alive = engine.alive
+        return JSONResponse({"status": "ok" if alive else "engine stopped", "running": engine.engine.num_running,
+                             "queued": engine.queue_depth}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

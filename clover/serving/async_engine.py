@@ -196,66 +196,82 @@ class AsyncEngine:
         except RuntimeError:  # the caller's event loop is gone
             pass
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running (/health says so)."""
+        return self._thread.is_alive()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A bug on the engine thread: fail every request in flight with it rather than hang them."""
+        self._records.clear()
+        self.engine.clear()   # (not request by request: an abort may be what failed)
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self._deliver(rid, RuntimeError(f"engine failure: {exc}"))
+
     def _run(self) -> None:
         while True:
-            with self._lock:
-                submit, self._submit = self._submit, []
-                abort, self._abort = self._abort, []
-            for rid in abort:
-                if self.engine.abort(rid):
-                    for observer in self.observers:
-                        observer.request_ended("abort")
-                self._records.pop(rid, None)
-                with self._lock:
-                    self._streams.pop(rid, None)
-            for rid, ids, params in submit:
-                with self._lock:
-                    live = rid in self._streams
-                if not live:
-                    continue  # aborted before it started
-                try:
-                    self.engine.add_request(ids, params, request_id=rid)
-                except ValueError as exc:
-                    self._records.pop(rid, None)
-                    self._deliver(rid, exc)
-            self._run_calls()
-            if self._stop and not self.engine.has_unfinished():
-                return
-            if not self.engine.has_unfinished():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
-                with torch.inference_mode():
-                    events = self.engine.step()
-            except Exception as exc:  # a bug: fail the requests in flight rather than hang them
-                self._records.clear()
-                for rid in list(self._streams):
-                    self.engine.abort(rid)
-                    self._deliver(rid, RuntimeError(f"engine failure: {exc}"))
+                if self._round():
+                    return
+            except Exception as exc:  # noqa: BLE001 - a bug between steps must not end the thread (every request would hang)
+                self._fail_all(exc)
+
+    def _round(self) -> bool:
+        """One round of the engine thread: aborts, new requests, calls, then a step. True: stopped."""
+        with self._lock:
+            submit, self._submit = self._submit, []
+            abort, self._abort = self._abort, []
+        for rid in abort:
+            if self.engine.abort(rid):
+                for observer in self.observers:
+                    observer.request_ended("abort")
+            self._records.pop(rid, None)
+            with self._lock:
+                self._streams.pop(rid, None)
+        for rid, ids, params in submit:
+            with self._lock:
+                live = rid in self._streams
+            if not live:
+                continue  # aborted before it started
+            try:
+                self.engine.add_request(ids, params, request_id=rid)
+            except ValueError as exc:
+                self._records.pop(rid, None)
+                self._deliver(rid, exc)
+        self._run_calls()
+        if self._stop and not self.engine.has_unfinished():
+            return True
+        if not self.engine.has_unfinished():
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+            return False
+        with torch.inference_mode():
+            events = self.engine.step()   # (an exception, a bug, fails the requests in flight: `_run`)
+        self.stats.steps += 1
+        now = time.perf_counter()
+        for ev in events:
+            record = self._records.get(ev.request_id)
+            if ev.error is not None:  # this request failed alone; the others go on
+                self._records.pop(ev.request_id, None)
+                for observer in self.observers:
+                    observer.request_ended("error")
+                failure = ValueError if ev.invalid else RuntimeError   # the request's fault (400) or ours
+                self._deliver(ev.request_id, failure(f"generation failed: {ev.error}"))
                 continue
-            self.stats.steps += 1
-            now = time.perf_counter()
-            for ev in events:
-                record = self._records.get(ev.request_id)
-                if ev.error is not None:  # this request failed alone; the others go on
-                    self._records.pop(ev.request_id, None)
-                    for observer in self.observers:
-                        observer.request_ended("error")
-                    failure = ValueError if ev.invalid else RuntimeError   # the request's fault (400) or ours
-                    self._deliver(ev.request_id, failure(f"generation failed: {ev.error}"))
-                    continue
-                if record is not None and ev.token_ids:
-                    if record.first_token is None:
-                        record.first_token = now
-                        record.token_gaps += [0.0] * (len(ev.token_ids) - 1)  # arrived with the first
-                    else:
-                        record.token_gaps += [(now - record.last_token) / len(ev.token_ids)] * len(ev.token_ids)
-                    record.last_token = now
-                if ev.finished and ev.result is not None and record is not None:
-                    record.finished, record.result = now, ev.result
-                    for observer in self.observers:
-                        observer.request_finished(record)
-                if ev.finished:
-                    self._records.pop(ev.request_id, None)
-                self._deliver(ev.request_id, ev)
+            if record is not None and ev.token_ids:
+                if record.first_token is None:
+                    record.first_token = now
+                    record.token_gaps += [0.0] * (len(ev.token_ids) - 1)  # arrived with the first
+                else:
+                    record.token_gaps += [(now - record.last_token) / len(ev.token_ids)] * len(ev.token_ids)
+                record.last_token = now
+            if ev.finished and ev.result is not None and record is not None:
+                record.finished, record.result = now, ev.result
+                for observer in self.observers:
+                    observer.request_finished(record)
+            if ev.finished:
+                self._records.pop(ev.request_id, None)
+            self._deliver(ev.request_id, ev)
+        return False
