@@ -100,7 +100,8 @@ def test_render_then_parse_round_trips(tokenizer):
 
 def test_incremental_parser_equals_one_shot_at_every_split(tokenizer):
     texts = [_assistant_output(tokenizer), "  Plain answer with <b>tags</b> and < signs.  ", "unfinished thought </thi",
-             "a</think>\n\nb<tool_call>\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n</function>\n"]
+             "a</think>\n\nb<tool_call>\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n</function>\n",
+             "x <tool_call>\nnot a call\n</tool_call> y <tool_call>\n<function=get_weather>\n</function>\n</tool_call>"]
     for text in texts:
         for thinking in (True, False):
             whole = parse_output(text, thinking=thinking, tools=TOOLS)
@@ -129,6 +130,12 @@ def test_malformed_calls_are_reported_not_crashed_on():
     for expected in ("get_weather.days", "missing required parameter(s) ['city']", "malformed tool call",
                      "unknown function 'launch'", "unterminated tool call"):
         assert expected in text
+    # what names no call stays in the content, as text (found by a hostile pass: a call cut short by
+    # max_tokens vanished, and a streamed client saw no sign of it)
+    assert out.content == ("<tool_call>\nnot a call\n</tool_call><tool_call>\n<function= >\n</function>\n</tool_call>"
+                           "<tool_call>\n<function=get_weather>\n<parameter=city>\nX")
+    cut = parse_output("I will check.<tool_call>\n<func", thinking=False, tools=TOOLS)
+    assert cut.content == "I will check.<tool_call>\n<func" and cut.tool_calls == []
 
 
 def test_tokenizer_files_round_trip_and_specials(tmp_path, tokenizer):

@@ -122,6 +122,11 @@ def test_streamed_chat_logprobs_equal_the_whole_reply(served):
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "algorithm": "low_confidence"},
      "logprobs", "algorithm 'ar' or 'verify'"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 25}, "top_logprobs",
+     "at most 20"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options",
+     "only allowed with stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "add echo"),
     ({"prompt": "x", "logprobs": 50, "echo": True, "max_tokens": 0}, "logprobs", "at most 20"),
     ({"prompt": "x", "logprobs": 1, "echo": True, "max_tokens": 0, "stream": True}, "stream", "neither streamed"),
@@ -153,3 +158,20 @@ def test_a_stop_token_keeps_its_logprob_entry(served):
     assert body["choices"][0]["text"] == tok.decode(ids)            # its text is not output
     status, out = _post(url, "/completions", {"prompt": "x", "max_tokens": 2, "logit_bias": {"²": 1}})
     assert status == 400 and out["error"]["param"] == "logit_bias"
+
+
+def test_a_prompt_that_fills_the_context_is_scored_and_one_past_it_refused(served):
+    """lm-eval's rolling windows reach exactly the context length: scored (found by a hostile pass: refused
+    with "the prompt has 1024 tokens but the context limit is 1024 tokens"). A generation from it has no room,
+    and one token more cannot be scored."""
+    url, model, _ = served
+    ctx = model.config.max_position_embeddings
+    ids = [(7 * i) % 400 + 20 for i in range(ctx)]
+    status, body = _post(url, "/completions", {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0})
+    assert status == 200, body
+    want, _ = _direct(model, ids)
+    assert body["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    status, body = _post(url, "/completions", {"prompt": ids, "max_tokens": 1})
+    assert status == 400 and "which leaves no room for a reply" in body["error"]["message"]
+    status, body = _post(url, "/completions", {"prompt": ids + [20], "echo": True, "logprobs": 0, "max_tokens": 0})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"

@@ -264,6 +264,22 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(url, field, v
     assert status == 400 and out["error"]["param"] == field and out["error"]["message"].startswith(field), out
 
 
+def test_a_grammar_that_no_token_can_follow_is_a_400_not_a_server_error(url, setup):
+    """A grammar whose only token is the mask token (which the decoders never pick) excludes every token at the
+    first position: the request's fault, a 400 (found by a hostile pass: a 500, which clients retry and
+    /metrics counts as the server's)."""
+    mask = setup[0].config.mask_token_id
+    for algorithm in ALGORITHMS:
+        status, out = _chat(url, messages=[{"role": "user", "content": "x"}], guided_grammar=f"start: <[{mask}]>",
+                            algorithm=algorithm, max_tokens=5)
+        assert status == 400 and "no token is allowed at this position" in out["error"]["message"], (algorithm, out.get("choices"))
+        assert out["error"]["type"] == "invalid_request_error"
+        # the same after some tokens of a reply sent whole (found by a hostile pass: a 500 after the first event)
+        status, out = _chat(url, messages=[{"role": "user", "content": "x"}], max_tokens=40, algorithm=algorithm,
+                            guided_grammar=f'start: "def f(a, b):" <[{mask}]>')
+        assert status == 400 and "no token is allowed at this position" in out["error"]["message"], (algorithm, out)
+
+
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output_against_clover_serve(url, method):
     """langchain's `with_structured_output` (a strict response_format, or a forced tool call) gets an

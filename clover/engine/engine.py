@@ -498,7 +498,7 @@ class Engine:
         except NoTokenAllowed as exc:   # the request's constraints, or the model's numbers: its error alone
             log.warning("request %s: %s", s.rid, exc)
             if s.finish_reason is None:
-                self.finish(s, [], [], "error", events, error=str(exc))
+                self.finish(s, [], [], "error", events, error=str(exc), invalid=exc.invalid)
         except GrammarError as exc:   # the request's own grammar failed (a limit of the parser): its error
             log.warning("request %s: its grammar failed: %.500s", s.rid, exc)
             if s.finish_reason is None:

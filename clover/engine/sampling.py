@@ -171,7 +171,12 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
 
 class NoTokenAllowed(ValueError):
     """A position where no token can be picked: one request's failure (the engine ends it alone, with this
-    message), not a fault of the engine."""
+    message), not a fault of the engine. `invalid`: the request's own constraints excluded every token (a
+    400 for the server), rather than the model's numbers (NaN logits: a 500)."""
+
+    def __init__(self, message: str, invalid: bool) -> None:
+        super().__init__(message)
+        self.invalid = invalid
 
 
 def _nothing_allowed(logits: torch.Tensor) -> None:
@@ -179,8 +184,9 @@ def _nothing_allowed(logits: torch.Tensor) -> None:
     if bool(empty.any()):
         if bool(torch.isnan(logits[empty]).any()):
             raise NoTokenAllowed("the model's logits are NaN at this position: its weights (or a broken input) "
-                                 "produce no number; `clover check` measures them")
-        raise NoTokenAllowed("no token is allowed at this position (a grammar, min_tokens or logit_bias excludes all)")
+                                 "produce no number; `clover check` measures them", invalid=False)
+        raise NoTokenAllowed("no token is allowed at this position (a grammar, min_tokens or logit_bias excludes all)",
+                             invalid=True)
 
 
 def pick_tokens(

@@ -293,13 +293,16 @@ def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool, call
         parts.append(rest[:start])
         end = rest.find(CALL_CLOSE, start)
         if end < 0:
-            if final:
+            if final:   # cut short (max_tokens): the text stays in the content, as vLLM's parsers leave it
                 errors.append(f"unterminated tool call: {rest[start:]!r:.80}")
+                parts.append(rest[start:])
             break
         call, errs = parse_tool_call(rest[start + len(CALL_OPEN): end], tools)
         errors.extend(errs)
         if call is not None:
             found.append(call)
+        else:   # markup that names no call: the client sees it as text rather than nothing
+            parts.append(rest[start: end + len(CALL_CLOSE)])
         rest = rest[end + len(CALL_CLOSE):]
     content = "".join(parts)
     content = content.strip() if final else content.lstrip().rstrip()

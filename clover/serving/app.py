@@ -222,15 +222,23 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             raise APIError(400, message, param=param) from exc
 
     def _params(req: SamplingRequest, max_new: int | None, prompt_len: int, stop: tuple[str, ...],
-                logprobs: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
+                logprobs: int | None = None, constraint: Constraint | None = None,
+                scoring: bool = False) -> SamplingParams:
+        """The request's sampling parameters, checked. `scoring`: for a prompt only scored (max_tokens 0 with
+        echo), which may fill the whole context (the parameters are those a one-token generation would get)."""
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}", param="n")
+        if req.stream_options is not None and not req.stream:   # (as OpenAI and vLLM answer it)
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         _check_model(req.model)
         room = ctx - prompt_len
-        if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens but the context limit is {ctx} tokens",
+        if room < (0 if scoring else 1):
+            full = ", which leaves no room for a reply" if room == 0 else ""
+            raise APIError(400, f"the prompt has {prompt_len} tokens but the context limit is {ctx} tokens{full}",
                            param="messages" if isinstance(req, ChatRequest) else "prompt",
                            code="context_length_exceeded")
+        if scoring:
+            max_new, room = 1, 1
         if max_new is not None and max_new > room:
             raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_new}) exceeds the context "
                                 f"limit of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
@@ -323,6 +331,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         return [params.with_(seed=None if params.seed is None else (params.seed + i) % 2**63) for i in range(n)]
 
     def _start_error(exc: BaseException) -> APIError:
+        """The HTTP error of a request's failure (at its start, or later in a reply sent whole or streamed)."""
+        if isinstance(exc, APIError):
+            return exc
         if isinstance(exc, QueueFull):
             return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         if isinstance(exc, ShuttingDown):
@@ -356,6 +367,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         ids, thinking = prompt.ids, prompt.thinking
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.top_logprobs is not None and req.top_logprobs > MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be at most {MAX_LOGPROBS}", param="top_logprobs")
         max_new = req.max_completion_tokens or req.max_tokens
         want = (req.top_logprobs or 0) if req.logprobs else None
         namer = _token_namer(tokenizer, req.return_tokens_as_token_ids)
@@ -383,6 +396,10 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                         i, ev = await events.__anext__()
                     except StopAsyncIteration:
                         return
+                    except ClientGone:
+                        raise
+                    except Exception as exc:   # the same status as at the first event (its own fault: 400)
+                        raise _start_error(exc) from exc
                 c = choices[i]
                 delta = c.parser.feed(ev.text)
                 if ev.finished:
@@ -507,7 +524,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                                                               constraint), req.n)]
         if scoring:   # the checks a generation gets
             try:
-                _params(req, None, max(len(ids) for _, ids in prompts), stops).validate(model.config.vocab_size)
+                _params(req, None, max(len(ids) for _, ids in prompts), stops,
+                        scoring=True).validate(model.config.vocab_size)
             except InvalidParameter as exc:
                 raise APIError(400, str(exc), param=exc.param) from exc
         texts = [text if text is not None else tokenizer.decode(ids) for text, ids in prompts]
@@ -552,8 +570,13 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
         async def each() -> AsyncIterator[tuple[int, Any]]:
             yield first
-            async for item in events:
-                yield item
+            try:
+                async for item in events:
+                    yield item
+            except ClientGone:
+                raise
+            except Exception as exc:   # the same status as at the first event (its own fault: 400)
+                raise _start_error(exc) from exc
 
         if not req.stream:
             async for i, ev in each():
