@@ -291,11 +291,12 @@ def test_a_bug_between_steps_fails_the_requests_in_flight_and_the_engine_thread_
                 first.close()   # its abort raises on the engine thread
                 rest = list(lines)
         events = [line for line in rest if line.startswith("data: ")]
-        assert '"message": "internal error: engine failure: abort broke"' in events[-1]
+        assert '"message": "internal error: engine failure: abort broke"' in events[-1], events[-3:]
         monkeypatch.setattr(Engine, "abort", real_abort)
-        assert httpx.get(url + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
+        health = httpx.get(url + "/health").json()
+        assert health == {"status": "ok", "running": 0, "queued": 0}, health
         done = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
-        assert done.status_code == 200
+        assert done.status_code == 200, done.text
         engine = app.state.engine
         engine._stop = True
         engine._wake.set()
