@@ -116,6 +116,7 @@ def test_aborting_a_lower_row_outside_inference_mode_moves_the_others_unchanged(
             if ev.finished:
                 results[ev.request_id] = ev.result.token_ids
     assert [results[i] for i in ids[1:]] == alone[1:]
+    assert engine.step() == [] and engine.cache is None   # idle: a step does nothing (it raised on the cache before)
 
 
 def test_same_seed_same_sample_and_seeds_differ(sharp_model):

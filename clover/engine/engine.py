@@ -197,6 +197,8 @@ class Engine:
         """Chunked prefill: advance the sequences whose prompts are too long for one step by block-aligned
         chunks, at most `max_prefill_tokens` tokens in all; returns those whose policy may now prefill the
         rest (at most one block and the prompt's tail) and start decoding."""
+        if not self.prefilling:   # (an idle engine has no cache to measure)
+            return []
         budget, size = self.max_prefill_tokens, self.config.block_size
         chunk: list[tuple[SequenceState, int]] = []
         for s in self.prefilling:
