@@ -94,8 +94,9 @@ def _synthetic_task(tid: str, suite: str, task: synthetic.Task, faulty: bool = F
     def open_env() -> Environment:
         world = FaultyWorld(task.initial_files) if faulty else task.fresh_world()
         return WorldEnvironment(world, task.check)
-    return HarnessTask(tid, suite, task.tools, task.prompt_messages,
-                       [m for m in task.messages if m["role"] == "assistant"], open_env)
+    prompt = task.prompt_messages   # (earlier exchanges, if any, then the question)
+    return HarnessTask(tid, suite, task.tools, prompt,
+                       [m for m in task.messages[len(prompt):] if m["role"] == "assistant"], open_env)
 
 
 class SyntheticSuite:

@@ -363,7 +363,8 @@ def make_training_task(family: str, seed: int, pool: str = "train", coin_values:
                 for i, m in enumerate(messages)]
     parts = answer.split("|")
     return Task(family, seed, tools, messages, answer, check=lambda text: synthetic.holds(text, parts), world=b.world,
-                thinking=thinking, initial_files=b.initial_files if b.initial_files is not None else dict(b.world.files))
+                thinking=thinking, initial_files=b.initial_files if b.initial_files is not None else dict(b.world.files),
+                start=last_user)
 
 
 def training_tasks(split: str, count: int, pool: str = "train", coin_values: float = 0.0) -> list[Task]:

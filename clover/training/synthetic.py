@@ -164,6 +164,8 @@ class Task:
     world: World = field(default_factory=World)      # the state after the reference solution
     thinking: bool = True
     initial_files: dict[str, str] = field(default_factory=dict)
+    start: int = 0                       # the question the answer is checked against: the messages before it
+                                         # (earlier exchanges, tool calls and all) are an agent's history
 
     def fresh_world(self) -> World:
         """The tools' state as the task starts (for an agent to act on)."""
@@ -172,8 +174,9 @@ class Task:
 
     @property
     def prompt_messages(self) -> list[dict]:
-        """The messages before the first assistant turn (what an agent is given)."""
-        first = next(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
+        """What an agent is given: the messages up to the first assistant turn after `start` (the earlier
+        exchanges, if any, then the question the check is about)."""
+        first = next(i for i, m in enumerate(self.messages) if i >= self.start and m["role"] == "assistant")
         return self.messages[:first]
 
 
