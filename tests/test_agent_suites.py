@@ -196,3 +196,23 @@ def test_an_answer_must_state_the_expected_value_whole():
     assert synthetic.holds("The result is 31.0.", ["31"]) and synthetic.holds("It costs 12.50.", ["12.5"])
     assert synthetic.holds("The total is 98, 5 additions later.", ["98"]) and synthetic.holds("98.DONE", ["DONE"])
     assert not synthetic.holds("The result is 31.01.", ["31"]) and not synthetic.holds("x-31", ["-31"])
+
+
+def test_the_visible_label_test_shows_the_padding_the_hidden_ones_expect():
+    """Found by a hostile pass: a visible case numbered 100 or more showed no zero padding for {n:03d}, so the
+    natural unpadded fix passed it and failed the hidden tests. The visible number has two digits now, and the
+    unpadded fix fails it wherever the format pads."""
+    import random
+    import re
+
+    padded = 0
+    for seed in range(300):
+        repo = S._read_failure(random.Random(seed))
+        visible = next(v for k, v in repo.files.items() if k.startswith("tests/"))
+        name, n, label = re.search(r"make_label\('(\w+)', (\d+)\), '([^']*)'\)", visible).groups()
+        assert 10 <= int(n) <= 99
+        fmt = json.loads(repo.reference[1]["tool_calls"][0]["function"]["arguments"])["new"].removeprefix("return ")
+        if ":0" in fmt:
+            padded += 1
+            assert label != eval(fmt.replace(":03d", "").replace(":04d", ""), {"name": name, "n": int(n)})
+    assert padded > 50

@@ -4,10 +4,12 @@ matches an uninterrupted one."""
 
 import contextlib
 import json
+import math
 import shutil
 import time
 import types
 
+import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -261,7 +263,7 @@ def test_oracle_solves_the_synthetic_suite_of_the_model_card(endpoint, tmp_path)
     assert {r["task"].split("-")[1] for r in results} == {"arith", "calc", "notes", "files"}
 
 
-def test_eval_tasks_runs_the_harness_against_the_model_served_in_process(tmp_path):
+def test_eval_tasks_runs_the_harness_against_the_model_served_in_process(tmp_path, capsys):
     """`clover eval tasks`: one agent loop (the harness's) over HTTP to the checkpoint served in process;
     an untrained model fails the tasks, and every task ends with one of the harness's reasons."""
     model = tmp_path / "m"
@@ -279,6 +281,13 @@ def test_eval_tasks_runs_the_harness_against_the_model_served_in_process(tmp_pat
     # a rerun with the same weights and settings resumes the kept runs (the server is on another port now)
     assert cli_main(args) == 0
     assert (tmp_path / "tasks.json.runs" / "thinking-off" / "results.jsonl").read_text().splitlines() == results
+    # another dtype, or another chat template, is another model: its runs start afresh (found by a hostile pass:
+    # the float32 outcomes were published as bfloat16's)
+    for change in (["--dtype", "bfloat16"], ["--dtype", "float32"]):
+        if change[1] == "float32":
+            (model / "chat_template.jinja").write_text((model / "chat_template.jinja").read_text() + "\n")
+        assert cli_main(args + change) == 0
+        assert "starting afresh" in capsys.readouterr().err
 
 
 def test_eval_agent_that_measured_nothing_exits_non_zero(tmp_path, capsys):
@@ -288,3 +297,101 @@ def test_eval_agent_that_measured_nothing_exits_non_zero(tmp_path, capsys):
     assert cli_main(["eval", "agent", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--suite", "synthetic",
                      "--tasks", "1", "--runs", "1", "--out", str(out)]) == 1
     assert "infrastructure error" in capsys.readouterr().err and (out / "report.md").is_file()
+
+
+def test_the_success_standard_error_takes_the_task_as_its_unit():
+    """Found by a hostile pass: the runs of one task repeat each other at temperature 0, so a binomial over task
+    runs (sqrt(p(1-p)/n)) understated the error by about sqrt(runs). Two tasks, three runs each, one always
+    solved and one never: the tasks' rates 1 and 0 have sd 0.7071, over sqrt(2) tasks 0.5 (the binomial said 0.204)."""
+    rows = [{"task": t, "success": t == "a", "tool_calls": 0, "malformed": 0, "valid_tool_args": 0}
+            for t in ("a", "b") for _ in range(3)]
+    assert harness._quality(rows)["success_stderr"] == pytest.approx(0.5)
+    assert harness._quality(rows[:3])["success_stderr"] is None   # one task: no spread to measure
+    mixed = rows[:3] + [{**rows[3], "success": i == 0} for i in range(3)]   # task b solved once in 3 runs
+    assert harness._quality(mixed)["success_stderr"] == pytest.approx(math.sqrt(((1 - 2 / 3) ** 2 + (1 / 3 - 2 / 3) ** 2) / 1) / math.sqrt(2))
+
+
+def _scripted_reply_app(state):
+    """An endpoint streaming the reply `state["mode"]` asks for (the bodies it got go to state["bodies"])."""
+    import asyncio
+
+    app = FastAPI()
+
+    def ev(delta=None, finish=None, usage=None):
+        d = {"choices": [] if usage else [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+        return f"data: {json.dumps({**d, **({'usage': usage} if usage else {})})}\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        state["bodies"].append(body)
+
+        async def sse():
+            if state["mode"] == "slow":        # a right answer, after 1.5 s
+                await asyncio.sleep(1.5)
+                yield ev({"content": "The answer is 42."})
+            elif state["mode"] == "trickle":   # 8 chunks 0.4 s apart: 3.2 s in all
+                for _ in range(8):
+                    await asyncio.sleep(0.4)
+                    yield ev({"content": "4"})
+            elif len(body["messages"]) == 1:   # "noid": a tool call without an id, then the answer
+                yield ev({"tool_calls": [{"index": 0, "function": {"name": "t", "arguments": "{}"}}]})
+            else:
+                yield ev({"content": "42"})
+            yield ev(finish="stop")
+            yield ev(usage={"completion_tokens": 5, "nfe": 3})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    return app
+
+
+def test_time_limits_hold_for_the_whole_task_and_request_and_tool_call_ids_match():
+    """Found by a hostile pass: the task's time was checked only before each step (an answer after 1.5 s of a
+    0.5 s task counted as a success), httpx's timeout bounds each read only (a reply trickling over 3.2 s went on
+    past a 2 s request limit), and a call without an id got one in the assistant message and "" in the tool's."""
+    class Env:
+        def call(self, name, args):
+            return "ok"
+
+        def check(self, answer):
+            return "42" in answer
+
+        def close(self):
+            pass
+
+    tool = {"type": "function", "function": {"name": "t", "description": "", "parameters": {"type": "object",
+                                                                                          "properties": {}}}}
+    task = agent_suites.HarnessTask("probe", "probe", [tool], [{"role": "user", "content": "q"}], [], lambda: Env())
+    state = {"mode": "slow", "bodies": []}
+    with serve_in_thread(_scripted_reply_app(state)) as url, httpx.Client() as client:
+        ep = harness.Endpoint(url + "/v1", "m")
+        r = harness.run_task(client, harness.HarnessConfig([ep], task_timeout_s=0.5), ep, task, {})
+        assert r["reason"] == "timeout" and r["total_s"] < 1.4
+        state["mode"] = "trickle"
+        with pytest.raises(harness.InfraError, match="took over 2 s"):   # (run_harness retries, then labels it)
+            harness.run_task(client, harness.HarnessConfig([ep], request_timeout_s=2.0), ep, task, {})
+        state["mode"] = "noid"
+        r = harness.run_task(client, harness.HarnessConfig([ep]), ep, task, {})
+        assert r["success"]
+        messages = state["bodies"][-1]["messages"]
+        assert messages[1]["tool_calls"][0]["id"] == messages[2]["tool_call_id"] == "call_0_0"
+
+
+def test_two_conditions_with_one_label_are_refused():
+    """{"block_size": 32} and {"block_size": "32"} were both named block_size=32: pooled, and resumed wrongly."""
+    with pytest.raises(ValueError, match="same label 'block_size=32'"):
+        harness.HarnessConfig([harness.Endpoint("http://x/v1", "m")], conditions=[{"block_size": 32},
+                                                                                 {"block_size": "32"}])
+
+
+def test_bench_at_a_rate_waits_between_requests_only(monkeypatch):
+    """Found by a hostile pass: `bench serve --rate` also slept after the last request, inside the wall clock
+    that its throughputs divide by. n requests wait n - 1 gaps."""
+    from clover.evaluation import bench
+
+    slept = []
+    monkeypatch.setattr(bench.time, "sleep", slept.append)
+    monkeypatch.setattr(bench, "_one", lambda *a: "record")
+    out = bench.run_bench("http://x/v1", "m", ["a", "b", "c"], 4, None, 2.0, 0, None, {}, 0)
+    assert out["records"] == ["record"] * 3 and len(slept) == 2

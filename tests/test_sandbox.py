@@ -80,6 +80,13 @@ def test_a_forged_completion_never_passes(tmp_path, forgery):
     assert not runs_to_completion(forgery, tmp_path)
 
 
+def test_a_program_whose_output_does_not_end_its_line_completes(tmp_path):
+    """Found by a hostile pass: the token was looked for as a whole line, and `print(x, end="")` left it glued
+    to the program's last line, so a correct HumanEval answer could fail."""
+    assert runs_to_completion("import sys\nsys.stdout.write('ok')", tmp_path)
+    assert runs_to_completion("print('a', end='')", tmp_path)
+
+
 grouped = pytest.mark.skipif(not cgroups(), reason="no cgroups to create here")
 
 

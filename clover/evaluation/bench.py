@@ -103,10 +103,10 @@ def run_bench(endpoint: str, model: str, prompts: list[str], output_len: int, co
         rng = random.Random(seed)
         t0 = time.perf_counter()
         futures = []
-        for p in measured:
-            futures.append(pool.submit(_one, client, endpoint, body(p), api_key))
-            if rate:
+        for i, p in enumerate(measured):
+            if rate and i:   # Poisson gaps between requests (none after the last: the wall clock would hold it)
                 time.sleep(rng.expovariate(rate))
+            futures.append(pool.submit(_one, client, endpoint, body(p), api_key))
         records = [f.result() for f in futures]
         wall = time.perf_counter() - t0
     return {"records": records, "wall_s": wall}

@@ -24,6 +24,10 @@ class ModelError(RuntimeError):
     """The endpoint answered with an error status (or an error event) for a well-formed request."""
 
 
+class OutOfTime(RuntimeError):
+    """The reply was still streaming when the caller's deadline (`stream_chat`'s `deadline_s`) passed."""
+
+
 @dataclass
 class StreamedReply:
     content: str = ""
@@ -38,20 +42,32 @@ class StreamedReply:
 
 
 def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | None = None,
-                timeout_s: float = 600.0) -> StreamedReply:
-    """POST `body` (with "stream": true) to `base_url`/chat/completions and read the whole stream."""
+                timeout_s: float = 600.0, deadline_s: float | None = None) -> StreamedReply:
+    """POST `body` (with "stream": true) to `base_url`/chat/completions and read the whole stream. `timeout_s`
+    bounds the whole request (InfraError past it; httpx's own timeout bounds each read only, so a reply that
+    kept streaming slowly ran on), `deadline_s` the caller's time left (OutOfTime past it)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     out = StreamedReply()
     calls: dict[int, dict] = {}
     t0 = time.perf_counter()
+    limit = timeout_s if deadline_s is None else min(timeout_s, max(deadline_s, 0.0))
+
+    def check_time() -> None:
+        spent = time.perf_counter() - t0
+        if deadline_s is not None and spent > deadline_s:
+            raise OutOfTime(f"the reply was still streaming after {spent:.1f} s, past the task's time")
+        if spent > timeout_s:
+            raise InfraError(f"the request took over {timeout_s:.0f} s")
+
     try:
         with client.stream("POST", base_url.rstrip("/") + "/chat/completions", json=body, headers=headers,
-                           timeout=timeout_s) as r:
+                           timeout=max(limit, 1e-3)) as r:
             if r.status_code >= 500 or r.status_code == 429:
                 raise InfraError(f"HTTP {r.status_code}")
             if r.status_code != 200:
                 raise ModelError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}")
             for line in r.iter_lines():
+                check_time()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 now = time.perf_counter() - t0
@@ -78,6 +94,10 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
                     out.ttft_s = now if out.ttft_s is None else out.ttft_s
                     out.chunk_s.append(now)
                     out.chunk_chars.append(chars)
+    except httpx.TimeoutException as exc:
+        if deadline_s is not None and time.perf_counter() - t0 >= deadline_s:   # the task's time ran out first
+            raise OutOfTime(f"no reply within the task's time left ({deadline_s:.1f} s)") from exc
+        raise InfraError(f"{type(exc).__name__}: {exc}") from exc
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         raise InfraError(f"{type(exc).__name__}: {exc}") from exc
     out.tool_calls = [calls[k] for k in sorted(calls)]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from clover.evaluation.client import InfraError, ModelError, StreamedReply, stream_chat
+from clover.evaluation.client import InfraError, ModelError, OutOfTime, StreamedReply, stream_chat
 from clover.evaluation.suites import Environment, HarnessTask, check_suite, suite_tasks
 from clover.model.files import json_lines, write_text_atomic
 
@@ -71,6 +71,10 @@ class HarnessConfig:
             raise ValueError("runs, tasks per suite and the step limit must be at least 1")
         if not all(isinstance(c, dict) for c in self.conditions):
             raise ValueError("each condition must be a JSON object of extra body fields")
+        names = [self.condition_name(self.endpoints[0], c) for c in self.conditions]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:   # (their runs would be pooled under one label, and a resumed run would skip some)
+            raise ValueError(f"two conditions have the same label {twice[0]!r}; give each condition other values")
         for suite in self.suites:
             check_suite(suite)
 
@@ -115,10 +119,15 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
         if ht.tools:
             body["tools"] = ht.tools
         try:
-            reply = stream_chat(client, endpoint.url, body, endpoint.api_key, cfg.request_timeout_s)
+            reply = stream_chat(client, endpoint.url, body, endpoint.api_key, cfg.request_timeout_s,
+                                deadline_s=cfg.task_timeout_s - (time.perf_counter() - t_start))
         except ModelError as exc:
             steps.append({"step": step, "error": str(exc)})
             reason = "model_error"
+            break
+        except OutOfTime as exc:   # (a reply that ends after the task's time must not count: checked per chunk)
+            steps.append({"step": step, "error": str(exc)})
+            reason = "timeout"
             break
         usage = reply.usage
         leaked = _malformed(reply)
@@ -129,10 +138,11 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
                   "tool_calls": reply.tool_calls}
         tool_s = 0.0
         if reply.tool_calls:
+            for i, c in enumerate(reply.tool_calls):   # (a server that sends no ids: ours, the same in both places)
+                c["id"] = c["id"] or f"call_{step}_{i}"
             messages.append({"role": "assistant", "content": reply.content or None, "tool_calls": [
-                {"id": c["id"] or f"call_{step}_{i}", "type": "function",
-                 "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for i, c in enumerate(reply.tool_calls)]})
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in reply.tool_calls]})
             bad = False
             for c in reply.tool_calls:
                 total_args += 1
@@ -147,7 +157,7 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
                 malformed += not ok
                 bad |= not ok
                 tool_s += time.perf_counter() - t_tool
-                messages.append({"role": "tool", "tool_call_id": c["id"] or "", "content": result})
+                messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
             record["tool_s"] = tool_s
             record["harness_s"] = time.perf_counter() - t_step - reply.e2e_s - tool_s
             steps.append(record)
@@ -315,17 +325,29 @@ def _speed(rows: list[dict]) -> dict:
             "tpf": tokens / nfe if nfe else None}
 
 
+def _success_stderr(rows: list[dict]) -> float | None:
+    """The standard error of the success rate with the task as the unit: the runs of one task are not
+    independent draws (at temperature 0 they repeat each other), so the spread is that of the tasks' own
+    success rates, sd / sqrt(tasks) (a binomial over task runs understated it by about sqrt(runs)). None
+    with fewer than 2 tasks."""
+    by_task: dict[str, list[bool]] = {}
+    for r in rows:
+        by_task.setdefault(r["task"], []).append(r["success"])
+    rates = [sum(v) / len(v) for v in by_task.values()]
+    return statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) >= 2 else None
+
+
 def _quality(rows: list[dict]) -> dict:
-    """Success (mean and standard error) and formatting stability of task runs: an attempted call is a
-    parsed call or tool-call markup left in the text; it is malformed when the markup leaked or its
-    arguments are invalid."""
+    """Success (mean, and standard error over tasks: `_success_stderr`) and formatting stability of task
+    runs: an attempted call is a parsed call or tool-call markup left in the text; it is malformed when the
+    markup leaked or its arguments are invalid."""
     n = len(rows)
     p = sum(r["success"] for r in rows) / n if n else None
     calls = sum(r["tool_calls"] for r in rows)
     malformed = sum(r["malformed"] for r in rows)
     invalid = sum(r["tool_calls"] - r["valid_tool_args"] for r in rows)
     attempted = calls + malformed - invalid
-    return {"success_mean": p, "success_stderr": math.sqrt(p * (1 - p) / n) if n and p is not None else None,
+    return {"success_mean": p, "success_stderr": _success_stderr(rows),
             "tool_calls": calls, "invalid_calls": invalid, "leaked_markup": malformed - invalid,
             "malformed": malformed, "malformed_rate": malformed / attempted if attempted else None}
 
@@ -397,7 +419,7 @@ def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dic
              f"{cfg.runs} run(s) per task and condition, step limit "
              f"{cfg.step_limit}, max_tokens {cfg.max_tokens}, thinking {'on' if cfg.thinking else 'off'}, temperature 0. "
              "Conditions and machine: `metadata.json`; every step of every task run: `tasks/`.", "",
-             "| condition | task runs | success (± s.e.) | pass@k | pass^k | valid tool args | model s (median / p90) "
+             "| condition | task runs | success (± s.e. over tasks) | pass@k | pass^k | valid tool args | model s (median / p90) "
              "| tool s (median) | total s (median / p90, min-max) | TTFT s (median) | tokens/s | TPF |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cname, s in summary.items():

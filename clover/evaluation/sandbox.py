@@ -229,7 +229,7 @@ _COMPLETION_WRAPPER = (
     "import sys, runpy\n"
     "_t = sys.stdin.readline().strip(); sys.stdin.close()\n"
     "runpy.run_path(sys.argv[1], run_name='__main__')\n"
-    "print(_t)\n"
+    "print('\\n' + _t)\n"   # (on a line of its own after output that did not end its last line)
 )
 
 

@@ -367,15 +367,17 @@ def _read_failure(rng: random.Random) -> Repo:
     path = f"{pkg}/labels.py"
     start = 'return f"{name}-{n}"'
 
-    def cases(k: int) -> list[str]:
+    def cases(k: int, shown: bool = False) -> list[str]:
         out = []
         for _ in range(k):
             name, n = rng.choice(synthetic.WORDS), rng.randint(1, 999)
+            if shown:   # two digits, so the one visible case shows the zero padding the hidden ones expect (a
+                n = n % 90 + 10   # visible 298 gave RIVER-298 for {n:03d}: an unpadded fix passed it and failed them)
             out.append(f"self.assertEqual(make_label({name!r}, {n}), {eval(fmt, {'name': name, 'n': n})!r})")
         return out
     files = {f"{pkg}/__init__.py": "",
              path: f'def make_label(name, n):\n    """The label of item number n called name."""\n    {start}\n',
-             "tests/test_labels.py": _test_file(f"from {pkg}.labels import make_label", cases(1))}
+             "tests/test_labels.py": _test_file(f"from {pkg}.labels import make_label", cases(1, shown=True))}
     hidden = _test_file(f"from {pkg}.labels import make_label", cases(4))
     reference = [_act("run_tests"), _act("edit_file", path=path, old=start, new=f"return {fmt}"), _act("run_tests"),
                  _say(f"make_label now returns {fmt}; the tests pass.")]
