@@ -239,26 +239,40 @@ def _slow_app(target, config, tok, seconds=0.02, **kw):
                      **kw)
 
 
+def _two_stream_app():
+    """A slow scripted app, and a streamed chat body of 100 tokens (2 s at 20 ms a forward)."""
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "ignore_eos": True,
+            "stream": True, **THINK_OFF}
+    return _slow_app(tok.encode("some text ") * 60, config, tok), body
+
+
+def _second_after_first_leaves(url, body):
+    """Two streams running (the first in the lower row); the first's client hangs up: the second's lines after."""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as first:
+        held = first.iter_lines()   # kept: a dropped iterator would close the stream
+        next(held)
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as second:
+            lines = second.iter_lines()
+            next(lines)
+            _wait_running(url, 2)
+            first.close()
+            deadline = time.time() + 1.0   # aborted at once
+            while httpx.get(url + "/health").json()["running"] == 2:
+                assert time.time() < deadline, "the first request still runs 1 s after its client left"
+                time.sleep(0.01)
+            return list(lines)
+
+
 def test_a_client_that_hangs_up_below_another_request_leaves_it_and_the_server_running():
     """Found by a hostile pass: the abort compacts the batch's rows, writing the cache in place outside inference
     mode, which torch refused: the engine thread died, the other stream stalled, /health said ok and every later
     request hung. Now the other stream ends whole and the server answers."""
-    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
-    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
-                                 eos_token_id=tok.eos_token_ids)
-    app = _slow_app(tok.encode("some text ") * 60, config, tok)
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "ignore_eos": True,
-            "stream": True, **THINK_OFF}
+    app, body = _two_stream_app()
     with serve_in_thread(app) as url:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as first:
-            held = first.iter_lines()   # kept: a dropped iterator would close the stream
-            next(held)
-            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as second:
-                lines = second.iter_lines()
-                next(lines)
-                _wait_running(url, 2)
-                first.close()   # the lower row's client hangs up
-                rest = list(lines)
+        rest = _second_after_first_leaves(url, body)
         assert "data: [DONE]" in rest and not any('"error"' in line for line in rest)
         assert sum(line.startswith("data: {") for line in rest) >= 50   # its tokens went on arriving
         health = httpx.get(url + "/health")
@@ -272,24 +286,11 @@ def test_a_bug_between_steps_fails_the_requests_in_flight_and_the_engine_thread_
     in flight with a server error, never the thread; /health says 503 only once the thread has ended."""
     from clover.engine.engine import Engine
 
-    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
-    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
-                                 eos_token_id=tok.eos_token_ids)
-    app = _slow_app(tok.encode("some text ") * 60, config, tok)
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "ignore_eos": True,
-            "stream": True, **THINK_OFF}
+    app, body = _two_stream_app()
     real_abort = Engine.abort
     monkeypatch.setattr(Engine, "abort", lambda self, rid: (_ for _ in ()).throw(RuntimeError("abort broke")))
     with serve_in_thread(app) as url:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as first:
-            held = first.iter_lines()   # kept: a dropped iterator would close the stream
-            next(held)
-            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as second:
-                lines = second.iter_lines()
-                next(lines)
-                _wait_running(url, 2)
-                first.close()   # its abort raises on the engine thread
-                rest = list(lines)
+        rest = _second_after_first_leaves(url, body)   # the first's abort raises on the engine thread
         events = [line for line in rest if line.startswith("data: ")]
         assert '"message": "internal error: engine failure: abort broke"' in events[-1], events[-3:]
         monkeypatch.setattr(Engine, "abort", real_abort)
