@@ -8,8 +8,10 @@
 #   sft        two endpoints side by side: the shipped model and the recipe's checkpoint before SFT
 #              ($RECIPE/diff/model, RECIPE default runs/recipe: from `make model`)
 # usage: scripts/agent_reports.sh [agent] [humaneval] [bench] [sft]   (no argument: all four)
-# Each part replaces its report. TASKS (default 8) sets the tasks per suite of the agent part, RUNS (default 3)
-# the runs of each task (at temperature 0 they repeat each other but for timing).
+# Each part replaces its report. TASKS (default 8) sets the tasks per suite of the agent part, REPEATS (default 3)
+# the runs of each task (at temperature 0 they repeat each other but for timing; not RUNS, which the recipe's
+# scripts use for a run directory). The agent report's weights.txt names the weights it measured (the first 16
+# hex digits of `clover.cli.evaluate.weights_digest`): scripts/model_card.py reads no report of other weights.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
@@ -20,16 +22,30 @@ AR='{"algorithm": "ar"}'
 AR_FREE='{"algorithm": "ar", "constrain_tool_calls": false}'   # the calls as the model writes them, unheld
 VERIFY='{"algorithm": "verify"}'
 TASKS=${TASKS:-8}
-RUNS=${RUNS:-3}
+REPEATS=${REPEATS:-3}
 RECIPE=${RECIPE:-runs/recipe}
 block() { echo "{\"algorithm\": \"low_confidence\", \"block_size\": $1, \"threshold\": 0.95}"; }
 
-# serve PORT ARGS...: start `clover serve` in the background and wait until it answers /health
+# serve PORT ARGS...: start `clover serve` in the background and wait until it answers /health; stop if the port
+# already answers (another server would be measured instead), if the server exits, or after 10 minutes
 serve() {
-  local port=$1; shift
+  local port=$1 pid waited=0; shift
+  if curl -sf "http://127.0.0.1:$port/health" > /dev/null; then
+    echo "port $port already answers /health: stop that server first, or set PORT" >&2
+    exit 1
+  fi
   "$BIN/clover" serve --port "$port" "$@" > "/tmp/clover-serve-$port.log" 2>&1 &
-  SERVERS="${SERVERS:-} $!"
-  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
+  pid=$!
+  SERVERS="${SERVERS:-} $pid"
+  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+    if ! kill -0 "$pid" 2> /dev/null || [ "$waited" -ge 600 ]; then
+      echo "clover serve $* did not start (/tmp/clover-serve-$port.log):" >&2
+      tail -5 "/tmp/clover-serve-$port.log" >&2
+      exit 1
+    fi
+    sleep 1
+    waited=$((waited + 1))
+  done
 }
 trap 'kill ${SERVERS:-} 2> /dev/null || true' EXIT
 
@@ -50,8 +66,10 @@ fi
 if has agent; then
   fresh reports/agent-clover-tiny
   "$BIN/clover" eval agent --endpoint "clover-tiny=$URL" --model clover-tiny --suite tools,memory,heldout,coding \
-    --tasks "$TASKS" --runs "$RUNS" --max-tokens 128 --condition "$AR" --condition "$AR_FREE" --condition "$VERIFY" --condition "$(block 16)" \
+    --tasks "$TASKS" --runs "$REPEATS" --max-tokens 128 --condition "$AR" --condition "$AR_FREE" --condition "$VERIFY" --condition "$(block 16)" \
     --condition "$(block 32)" --out reports/agent-clover-tiny
+  "$BIN/python" -c 'from clover.cli.evaluate import weights_digest; print(weights_digest(None)[:16])' \
+    > reports/agent-clover-tiny/weights.txt
 fi
 if has humaneval; then
   fresh reports/humaneval-clover-tiny

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -78,6 +79,28 @@ FRONT_MATTER = ["---", "license: apache-2.0", "library_name: transformers", "pip
                 "- gated-deltanet", "- qwen3_5_moe", "- custom_code", "---"]
 
 
+MARKER = re.compile(r"<!-- weights: ([0-9a-f]{16}) -->\n")   # the first line of the notes: the weights they read
+
+
+def _weights(model_dir: Path) -> str | None:
+    """The first 16 hex digits of the weights' digest (`clover.cli.evaluate.weights_digest`: config and weight
+    files), or None for a directory without weights (a card written again from the record alone)."""
+    from clover.cli.evaluate import weights_digest
+    from clover.model.checkpoint import CheckpointError
+
+    try:
+        return weights_digest(str(model_dir))[:16]
+    except (CheckpointError, OSError):
+        return None
+
+
+def _refuse_unless_for(digest: str | None, made_for: str | None, what: str, how: str) -> None:
+    """Hand-written notes and the agent report are of one set of weights: a card for other weights must not
+    carry them (a rebuilt model's card would have said the old release's figures under its own tables)."""
+    if digest is not None and made_for != digest:
+        raise SystemExit(f"{what} was written for weights {made_for or '(not said)'}, not these ({digest}): {how}")
+
+
 def main() -> None:
     runs, model_dir = Path(sys.argv[1]), Path(sys.argv[2])
     report = Path(sys.argv[3] if len(sys.argv) > 3 else "reports/agent-clover-tiny")
@@ -112,7 +135,13 @@ def main() -> None:
         record |= {k: base[k] for k in ("source", "base") if k in base}
     elif base:
         record["base"] = {"source": base.get("source"), "carried": carried, "base": base.get("base")}
-    agent = _agent_rows(report) if (report / "summary.json").is_file() else {}
+    digest = _weights(model_dir)
+    agent = {}
+    if (report / "summary.json").is_file():
+        made = (report / "weights.txt").read_text().strip() if (report / "weights.txt").is_file() else None
+        _refuse_unless_for(digest, made, f"the agent report {report}", "run `scripts/agent_reports.sh agent` with them "
+                           "first, or pass a report directory that does not exist to leave the section out")
+        agent = _agent_rows(report)
     config = json.loads((model_dir / "config.json").read_text())
     from clover.model.config import CloverConfig
     total, active = CloverConfig.from_dict(config).num_parameters()
@@ -282,8 +311,9 @@ def main() -> None:
                   "|---|---|---|---|---|---|---|---|"]
         order = list(dict.fromkeys(c for c, _ in agent))
         for (_cname, suite), r in sorted(agent.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
+            stderr = "-" if r["success_stderr"] is None else f"{r['success_stderr']:.0%}"   # (one task: none)
             lines.append(f"| {suite} | {_condition(r['params'])} | {r['task_runs']} | {r['success_mean']:.0%} ± "
-                         f"{r['success_stderr']:.0%} | {r['total_s']:.1f} s | {_fmt(r['tokens_per_s'], 1)} | "
+                         f"{stderr} | {r['total_s']:.1f} s | {_fmt(r['tokens_per_s'], 1)} | "
                          f"{_fmt(r['tpf'], 2)} | {_fmt(r['malformed_rate'])} |")
         lines += ["", "Targets: tools and memory with `ar` >= 80%; block diffusion at block 32 / threshold 0.95 at least "
                       "0.95x that success with TPF >= 2.5 and a lower median task time than `ar`; the `heldout` suite "
@@ -301,7 +331,11 @@ def main() -> None:
                          f"{reasons} |")
     notes = Path(__file__).with_name("model_card_notes.md")
     if notes.is_file():
-        lines += ["", notes.read_text().strip(), ""]
+        text = notes.read_text()
+        marker = MARKER.match(text)
+        _refuse_unless_for(digest, marker.group(1) if marker else None, str(notes),
+                           "rewrite it for them, with its first line naming them, first")
+        lines += ["", text[marker.end() if marker else 0:].strip(), ""]
     write_text_atomic(model_dir / "README.md", "\n".join(lines))
     write_text_atomic(model_dir / "training_record.json", json.dumps(record, indent=1) + "\n")
     print(f"wrote {model_dir / 'README.md'}")

@@ -60,3 +60,24 @@ def test_a_stage_run_here_replaces_the_record_s_and_the_new_record_names_its_bas
     base = json.loads((runs / "base_record.json").read_text())
     assert new["stages"]["sft2"]["seconds"] == 40 and new["stages"]["ar"] == base["stages"]["ar"]
     assert new["base"]["source"] == base["source"] and "sft2" not in new["base"]["carried"]
+
+
+def test_notes_and_agent_report_of_other_weights_are_refused(tmp_path):
+    """Found by a review: the hand-written notes and the committed agent report are of the shipped weights, and
+    a card for rebuilt weights carried both under its own tables (its code figure "met" in one place and the
+    old "missed" a few lines down). Each names the weights it reads; a card for others stops and says why."""
+    model, runs = tmp_path / "model", tmp_path / "runs"
+    runs.mkdir()
+    shutil.copytree(SHIPPED, model)
+    report = ROOT / "reports" / "agent-clover-tiny"
+    card = subprocess.run([sys.executable, str(ROOT / "scripts" / "model_card.py"), str(runs), str(model), str(report),
+                           str(runs / "no-sweep.json")], capture_output=True, text=True)
+    assert card.returncode == 0, card.stderr
+    text = (model / "README.md").read_text()
+    assert "## Reading the figures" in text and "<!-- weights" not in text and "| tools | `ar` |" in text
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_theta": config.get("rope_theta", 1e6) * 2}))
+    for report_dir, what in ((report, "the agent report"), (runs / "no-report", "model_card_notes.md")):
+        card = subprocess.run([sys.executable, str(ROOT / "scripts" / "model_card.py"), str(runs), str(model),
+                               str(report_dir), str(runs / "no-sweep.json")], capture_output=True, text=True)
+        assert card.returncode != 0 and what in card.stderr and "not these" in card.stderr, card.stderr
