@@ -252,8 +252,11 @@ def main() -> None:
     if bpb_ar:
         parent_file = runs / "diff-init" / "PARENT"   # the model make_model.sh converted (the ext stage's, if any)
         converted = Path(parent_file.read_text().strip()) if parent_file.is_file() else None
-        parent = ("RUNS/" + converted.relative_to(runs).as_posix() if converted is not None
-                  and converted.is_relative_to(runs) else "RUNS/ar/model")
+        # (PARENT is relative to the repository, RUNS may be given either way: both resolved)
+        if converted is not None:
+            converted, home = converted.resolve(), runs.resolve()
+        parent = ("RUNS/" + converted.relative_to(home).as_posix() if converted is not None
+                  and converted.is_relative_to(home) else "RUNS/ar/model")
         lines += [f"Held-out bits per byte (`clover eval bpb --model {parent} --data data` for the AR "
                   "parent, the same with `--model clover/weights/clover-tiny` for the release; test split, "
                   "windows of 512 tokens):", "",
