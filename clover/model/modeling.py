@@ -732,6 +732,7 @@ class CloverForCausalLM(nn.Module):
             past = torch.zeros(n, dtype=torch.long, device=input_ids.device)
         lengths = self._lengths(input_ids, lengths, past)
         if ("step" in self._compiled and t == 1 and write is True and cache is not None and logits in ("last", "all", "valid")
+                and gdn_trace is None   # (the compiled step fills no trace: a caller that asks for one runs eagerly)
                 and not isinstance(rows, torch.Tensor) and bool((lengths == 1).all())):
             cache.reserve(int(past.max()) + 1, self.config.max_position_embeddings)
             out = self._call_compiled("step", cache, rows, input_ids, past, lengths, False)
