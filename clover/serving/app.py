@@ -297,7 +297,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     async def _merged(jobs: list[tuple[list[int], SamplingParams]], request: Request, stream: bool = False
                       ) -> AsyncIterator[tuple[int, Any]]:
         """Events of the sequences of one request ((prompt, params) each: n choices of one or more prompts),
-        tagged with their choice index, in arrival order. A client that hangs up ends the generation: its
+        tagged with their choice index, in arrival order; a sequence's failure is raised as its HTTP error
+        (`_start_error`), at the first event or later. A client that hangs up ends the generation: its
         sequences are aborted (ClientGone). A `stream` is watched until its first event only: its response
         starts then, and the server cancels it itself when its client leaves (before, a streamed request whose
         client left while it was queued kept its place and was prefilled and stepped for no one)."""
@@ -330,8 +331,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 if item is None:
                     open_ -= 1
                     continue
-                if isinstance(item, BaseException):
-                    raise item
+                if isinstance(item, BaseException):   # this request's failure, whenever it comes: its HTTP error
+                    raise _start_error(item) from item
                 if stream and watch is not None:
                     watch.cancel()   # (before the response starts its own watch: one receiver at a time)
                     watch = None
@@ -398,10 +399,6 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             first = await events.__anext__()
         except StopAsyncIteration:
             first = None
-        except ClientGone:
-            raise
-        except BaseException as exc:
-            raise _start_error(exc) from exc
 
         async def consume() -> AsyncIterator[tuple[_Choice, OutputDelta, bool, dict | None]]:
             pending = [first] if first else []
@@ -413,10 +410,6 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                         i, ev = await events.__anext__()
                     except StopAsyncIteration:
                         return
-                    except ClientGone:
-                        raise
-                    except Exception as exc:   # the same status as at the first event (its own fault: 400)
-                        raise _start_error(exc) from exc
                 c = choices[i]
                 delta = c.parser.feed(ev.text)
                 if ev.finished:
@@ -575,25 +568,15 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
         _check_fits(len(jobs), "n" if req.n > 1 else "prompt")
         events = _merged(jobs, request, req.stream)
-        try:
-            first = await events.__anext__()
-        except ClientGone:
-            raise
-        except BaseException as exc:
-            raise _start_error(exc) from exc
+        first = await events.__anext__()
 
         def reason(r: GenerationResult) -> str:
             return "length" if r.finish_reason == "length" else "stop"
 
         async def each() -> AsyncIterator[tuple[int, Any]]:
             yield first
-            try:
-                async for item in events:
-                    yield item
-            except ClientGone:
-                raise
-            except Exception as exc:   # the same status as at the first event (its own fault: 400)
-                raise _start_error(exc) from exc
+            async for item in events:
+                yield item
 
         if not req.stream:
             async for i, ev in each():
