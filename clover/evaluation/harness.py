@@ -325,15 +325,20 @@ def _speed(rows: list[dict]) -> dict:
             "tpf": tokens / nfe if nfe else None}
 
 
+def _by_task(rows: list[dict]) -> dict[str, list[bool]]:
+    """Each task's outcomes over its runs."""
+    out: dict[str, list[bool]] = {}
+    for r in rows:
+        out.setdefault(r["task"], []).append(r["success"])
+    return out
+
+
 def _success_stderr(rows: list[dict]) -> float | None:
     """The standard error of the success rate with the task as the unit: the runs of one task are not
     independent draws (at temperature 0 they repeat each other), so the spread is that of the tasks' own
     success rates, sd / sqrt(tasks) (a binomial over task runs understated it by about sqrt(runs)). None
     with fewer than 2 tasks."""
-    by_task: dict[str, list[bool]] = {}
-    for r in rows:
-        by_task.setdefault(r["task"], []).append(r["success"])
-    rates = [sum(v) / len(v) for v in by_task.values()]
+    rates = [sum(v) / len(v) for v in _by_task(rows).values()]
     return statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) >= 2 else None
 
 
@@ -362,9 +367,7 @@ def summarise(results: list[dict], runs: int) -> dict:
     for cname in dict.fromkeys(r["condition"] for r in results):
         rows = [r for r in results if r["condition"] == cname]
         quality = [r for r in rows if r["reason"] != "infrastructure_error"]
-        by_task: dict[str, list[bool]] = {}
-        for r in quality:
-            by_task.setdefault(r["task"], []).append(r["success"])
+        by_task = _by_task(quality)
         calls = sum(r["tool_calls"] for r in quality)
         cold = [r for r in rows if r.get("cold")]
         out[cname] = {
