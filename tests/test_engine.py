@@ -77,6 +77,16 @@ def test_stop_token_ids_and_stop_strings_are_exact():
         assert result.token_ids == [0, 1, 2, 3] and result.text == "abcd" and result.finish_reason == "stop"
 
 
+def test_overlapping_stop_strings_stop_where_one_token_decoding_stops():
+    # "bcdefg" starts first but "de" completes first: a block that commits "abcdefgh" at once must stop where
+    # `ar`, one token at a time, stops (after "e", the text before "de")
+    for algorithm in ("ar", "low_confidence"):
+        model = ScriptedModel(lambda j, pos: (pos - 8, 0.99), ar_script=lambda pos: (pos - 8, 0.99))
+        result = Engine(model, tokenizer=CharTokenizer()).generate([list(range(8))], SamplingParams(
+            max_new_tokens=12, algorithm=algorithm, block_size=8, stop=("bcdefg", "de")))[0]
+        assert (result.text, result.token_ids, result.finish_reason) == ("abc", [0, 1, 2, 3, 4], "stop"), algorithm
+
+
 def test_streamed_text_never_shows_a_partial_stop_string():
     model = ScriptedModel(lambda j, pos: (pos - 8, 0.99))
     engine = Engine(model, tokenizer=CharTokenizer())

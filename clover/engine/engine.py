@@ -587,12 +587,19 @@ class Engine:
             s.ends_at.append(i + 1)
 
     def _find_stop(self, s: SequenceState) -> tuple[int, int] | None:
-        """The earliest stop string in the text decoded since the last search: (start, end) or None."""
+        """The stop string that one-token decoding would stop at, in the text decoded since the last search:
+        (start, end) or None. A run of several tokens (a block, a verified draft) can hold several stop
+        strings; decoding token by token stops at the first decoded piece (`s.ends`) that completes one, and
+        among those that piece completes, at the one that starts first."""
         longest = max(len(stop) for stop in s.params.stop)
         start = max(0, s.searched - longest + 1)
         s.searched = len(s.decoded)
         hits = [(at, at + len(stop)) for stop in s.params.stop if (at := s.decoded.find(stop, start)) >= 0]
-        return min(hits) if hits else None
+        if not hits:
+            return None
+        piece = {hit: bisect.bisect_left(s.ends, hit[1]) for hit in hits}
+        first = min(piece.values())
+        return min(hit for hit in hits if piece[hit] == first)
 
     def _logprobs(self, s: SequenceState, start: int) -> list | None:
         """The log-probabilities of generated[start:] (the tokens an event carries), if requested."""
