@@ -409,7 +409,11 @@ class VerifyPolicy(_Blocks):
     and the forward of m drafts takes the fastest of its last 8 measured times (per batch size,
     the verification and the `keep` included; every m tried twice first: a first call may compile
     it; a batch size not measured yet scales the nearest one measured by the ratio of their steps).
-    The output is `ar`'s whatever the choice. One choice serves the batch (one forward). A fixed
+    The output is `ar`'s whatever the choice. Deviation from the spec's "bit-identical" (5b): that holds
+    in float32 (the CLI's default dtype; tested). In bfloat16 a check's forward over several rows rounds
+    differently from a one-token step, and bf16 logits tie often (11.0 against 11.0): a review found greedy
+    `verify` leave `ar` at a tie in 1 of 61 code prompts of 64 tokens, where `ar` at batch 1 and at batch 8
+    already differ from each other in 3 of 61. One choice serves the batch (one forward). A fixed
     `cost_ratio` (the time of a `window`-draft check over a step) limits the choice to a step or a full
     check, the check iff a sequence expects more tokens than the ratio (0 always checks). Sampled
     requests (temperature > 0) always check `window` drafts, so that a seed gives the same tokens
