@@ -96,7 +96,7 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--chat-eval", type=nonnegative_int, default=200, help="synthetic validation and test conversations each")
     b.add_argument("--coin-values", type=float, default=0.0, metavar="SHARE",
                    help="share of agent conversations whose values to copy (code words, note values, file names) "
-                        "are invented words rather than the harness's 27 (default 0)")
+                        "are invented words rather than the harness's 26 (default 0)")
     b.add_argument("--recall-train", type=nonnegative_int, default=20000, help="recall drill documents for training")
     b.add_argument("--recall-eval", type=nonnegative_int, default=500, help="recall drill documents for validation and test each")
     b.add_argument("--recall-crossing", type=float, default=0.0, metavar="SHARE",

@@ -23,7 +23,7 @@ families (so its suites stay in distribution), the everyday tools' natural names
 The `heldout` pool coins nothing: its calc, notes, files and recall tasks use the harness's names.
 
 The values a task asks to copy (the memory suite's code word, a note's value, the files' names, the word to
-reverse) come from `synthetic.WORDS`, 27 words, as the harness draws them: a model can name one of them from
+reverse) come from `synthetic.WORDS`, 26 words, as the harness draws them: a model can name one of them from
 training without reading the conversation. With `coin_values` > 0 that share of the `train` pool's tasks of
 those families draws them from invented words instead, so that only copying from the context gets them right.
 """
