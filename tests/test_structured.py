@@ -386,7 +386,8 @@ def test_pending_grammar_starts_after_the_trigger_once_armed(setup):
     assert pending.read([9, 1]) is None and pending.armed
     assert pending.find([7]) == 0 and pending.read([3, 7, 5]) == 1
     a = tok.encode("a")[0]
-    masks = pending.masks_along([3, 7, a, a])
+    masks, complete = pending.masks_along([3, 7, a, a])
+    assert complete == [False] * 5   # "a+" after "a" may go on: not complete, min_tokens still holds
     assert masks[:2] == [None, None] and all(bool(m[a]) for m in masks[2:4])   # the grammar after the trigger
     assert not bool(masks[2][tok.encode("b")[0]])
 
@@ -461,7 +462,9 @@ def test_masks_along_a_grammar_that_completes_leaves_its_state_as_it_was(setup):
         m = compiler.matcher(constraint)
         drafts = tok.encode(text) + [eos, eos]
         before = m.valid_prefix(drafts)
-        masks = m.masks_along(drafts)
+        masks, complete = m.masks_along(drafts)
+        n = len(tok.encode(text))   # "yes" completes the choice; "aa" may go on ("a+") until the end of sequence
+        assert complete[: n + 2] == [False] * n + ([True, True] if text == "yes" else [False, True])
         assert m.valid_prefix(drafts) == before == len(drafts) and len(masks) >= len(drafts)
         assert all(bool(mask[eos]) and int(mask.sum()) <= len(tok.eos_token_ids) for mask in masks[len(drafts) - 1:])
         m.consume(drafts)   # no error: the state is the one before the masks

@@ -708,3 +708,27 @@ def test_lookup_drafts_are_offered_to_greedy_requests_and_checked_where_they_are
     s.drafts = None
     s.params = SamplingParams(algorithm="verify", temperature=0.7)
     assert policy.looked_up(s) == []
+
+
+def test_min_tokens_yields_to_a_grammar_completed_inside_a_check():
+    """`ar` ends a constrained reply when its grammar completes, min_tokens or not (nothing but the end
+    may follow); a check whose drafts complete the grammar must end it at the same token rather than mask
+    the row after it to nothing (it failed with "no token is allowed")."""
+    from clover.engine.structured import Constraint
+
+    tok = Tokenizer.load(SHIPPED)
+    torch.manual_seed(0)
+    m = CloverForCausalLM(CloverConfig.preset("debug", vocab_size=tok.vocab_size, mask_token_id=tok.mask_token_id,
+                                              eos_token_id=tok.eos_token_ids)).eval()
+    prompt = tok.encode("The answer is")
+    free = Engine(m, tok).generate([prompt], SamplingParams(max_new_tokens=4, algorithm="ar", ignore_eos=True))[0]
+    pattern = r"[A-Z][a-z]{2,5}-\d{3}"
+    for constraint in (Constraint("regex", pattern), Constraint("regex", pattern, trigger=free.token_ids[1])):
+        params = SamplingParams(max_new_tokens=30, algorithm="ar", constraint=constraint, min_tokens=25)
+        a = Engine(m, tok).generate([prompt], params)[0]
+        assert a.finish_reason == "stop" and len(a.token_ids) < 25   # the grammar ended it before min_tokens
+        truth = a.token_ids + [tok.eos_token_ids[0]] * 2               # drafts: the reply, then its end
+        for window in (3, 8):
+            v = Engine(m, tok, policies={"verify": TruthfulVerify(truth, len(prompt), window)}).generate(
+                [prompt], params.with_(algorithm="verify"))[0]
+            assert (v.token_ids, v.finish_reason) == (a.token_ids, "stop"), (constraint.trigger, window)

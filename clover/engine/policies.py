@@ -809,14 +809,20 @@ class VerifyPolicy(_Blocks):
         else:
             preds = raw = engine.mask_out(preds)
             grammar = s.matcher if s.matcher is not None else s.pending
+            complete: list[bool] = []
             if grammar is not None:   # each row masked by the grammar state after the drafts before it
-                masks = grammar.masks_along(drafts.tolist())[: len(preds)]   # None: no grammar there yet
+                masks, complete = grammar.masks_along(drafts.tolist())   # None: no grammar there yet
+                masks, complete = masks[: len(preds)], complete[: len(preds)]
                 if any(a is not None for a in masks):
                     preds = preds.clone()
                     for r, allowed in enumerate(masks):
                         if allowed is not None:
                             preds[r] = preds[r].masked_fill(~allowed.to(preds.device), float("-inf"))
-            preds = engine.hold_stops(s, preds, len(s.generated))   # row i: response position len + i
+            held = engine.hold_stops(s, preds, len(s.generated))   # row i: response position len + i
+            if any(complete):   # a row after drafts that complete the grammar may end the reply (min_tokens
+                ended = torch.tensor(complete + [False] * (len(preds) - len(complete)), device=preds.device)
+                held = torch.where(ended[:, None], preds, held)   # yields to it, as in `ar`)
+            preds = held
             tokens, kept = verify_drafts(preds[:m], drafts, probs, s.params, s.counts, s.generator)
             if kept == m and len(preds) > m:                       # every draft kept: the causal head goes on
                 t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator, confidence=False)[0][0])

@@ -246,20 +246,23 @@ class Matcher:
         self._m.rollback(n)
         return n + (len(list(itertools.takewhile(self.eos_ids.__contains__, tokens[n:]))) if done else 0)
 
-    def masks_along(self, drafts: list[int]) -> list[torch.Tensor]:
+    def masks_along(self, drafts: list[int]) -> tuple[list[torch.Tensor], list[bool]]:
         """The allowed sets at each draft position and after the last valid one: mask i is the set after
-        drafts[:i], for i = 0 .. (number of leading drafts the grammar accepts). The state is unchanged."""
+        drafts[:i], for i = 0 .. (number of leading drafts the grammar accepts); with each, whether the
+        grammar is complete there (`finished`: the reply may end whatever min_tokens says, as in `ar`).
+        The state is unchanged."""
         valid = self._m.validate_tokens(drafts)
-        masks = [self.allowed()]
+        masks, complete = [self.allowed()], [self.finished]
         consumed = 0
         for t in drafts[:valid]:
             if not self._m.is_stopped():   # (an end of sequence after the grammar completes leaves no step
                 self._m.consume_token(t)   # to roll back: count only what was consumed)
                 consumed += 1
             masks.append(self.allowed())
+            complete.append(self.finished)
         if consumed:
             self._m.rollback(consumed)
-        return masks
+        return masks, complete
 
     @property
     def finished(self) -> bool:
@@ -296,13 +299,14 @@ class Pending:
         self.armed = self.armed or self.not_before in tokens[:i]
         return i
 
-    def masks_along(self, drafts: list[int]) -> list[torch.Tensor | None]:
-        """`Matcher.masks_along` for a grammar that may start inside the drafts: None (anything goes) up to
-        and including the trigger, then the grammar's masks; [] when no draft starts it."""
+    def masks_along(self, drafts: list[int]) -> tuple[list[torch.Tensor | None], list[bool]]:
+        """`Matcher.masks_along` for a grammar that may start inside the drafts: None (anything goes, not
+        complete) up to and including the trigger, then the grammar's masks; ([], []) when no draft starts it."""
         i = self.find(drafts)
         if i is None:
-            return []
-        return [None] * (i + 1) + self.fresh.copy().masks_along(drafts[i + 1:])
+            return [], []
+        masks, complete = self.fresh.copy().masks_along(drafts[i + 1:])
+        return [None] * (i + 1) + masks, [False] * (i + 1) + complete
 
 
 # -- tool calls in the chat format (spec section 6) ----------------------------------------------------
