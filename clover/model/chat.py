@@ -191,7 +191,9 @@ class ParsedOutput:
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
-_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+# a value ends at a "</parameter>" that closes it: one followed by the next parameter or the call's end (the
+# template writes "\n</parameter>\n"), so the same text inside a value stays in it, as the grammar reads it
+_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>(?=\s*(?:<parameter=|$))", re.S)
 
 
 def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:

@@ -56,6 +56,13 @@ def read_chat_template(directory: str | os.PathLike) -> str:
     return template
 
 
+def _arguments(call: Any) -> dict:
+    """A tool call's arguments where they are an object (after `parse_tool_arguments`), else {}."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    return args if isinstance(args, dict) else {}
+
+
 class TokenizerError(ValueError):
     """A tokenizer directory is missing or inconsistent."""
 
@@ -132,7 +139,10 @@ class Tokenizer:
         Conversations without such text encode exactly as `encode(apply_chat_template(...))`."""
         fields = ("content", "reasoning_content", "reasoning")
         specials = list(self.special_ids)
+        messages = parse_tool_arguments(messages)   # (string argument values are untrusted text too)
         texts = [m[f] for m in messages for f in fields if isinstance(m.get(f), str)]
+        texts += [v for m in messages for c in m.get("tool_calls") or [] for v in _arguments(c).values()
+                  if isinstance(v, str)]
         if not any(sp in t for t in texts for sp in specials):
             return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking,
                                                         **extra) + suffix)
@@ -146,6 +156,16 @@ class Tokenizer:
                 if isinstance(m.get(f), str) and m[f]:  # the template tests these for emptiness
                     originals.append(m[f])
                     m[f] = f"<{nonce}:{len(originals) - 1}>"
+            calls = []
+            for call in m.get("tool_calls") or []:   # string values render raw; other values as JSON
+                args = dict(_arguments(call))
+                for key, value in args.items():
+                    if isinstance(value, str) and value:
+                        originals.append(value)
+                        args[key] = f"<{nonce}:{len(originals) - 1}>"
+                calls.append({**call, "function": {**call["function"], "arguments": args}} if args else call)
+            if calls:
+                m["tool_calls"] = calls
             marked.append(m)
         rendered = self.apply_chat_template(marked, tools, add_generation_prompt, enable_thinking, **extra) + suffix
         if self._plain is None:

@@ -89,6 +89,7 @@ class MessageIn(_Strict):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None   # the field this server's replies carry (and vLLM's): echoed back, it is kept
 
 
 class NamedFunction(_Strict):
