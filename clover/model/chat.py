@@ -4,7 +4,8 @@ reasoning, content and OpenAI tool calls, one-shot or incrementally block by blo
 Turns are `<|im_start|>{role}\\n{content}<|im_end|>\\n`. Tools are listed in the system turn; calls are
 XML-style `<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`;
 tool results come back wrapped in `<tool_response>` inside a user turn (the Qwen3.5 convention:
-consecutive tool messages share one turn). Thinking mode opens the assistant turn with
+consecutive tool messages share one turn; spec section 6 says "a `tool` turn": read as the API's tool
+messages, which this template renders the Qwen3.5 way, the backbone's). Thinking mode opens the assistant turn with
 `<think>\\n`; with thinking off the template pre-fills an empty `<think>\\n\\n</think>\\n\\n`.
 Assistant turns after the last user message keep their reasoning (or the empty think block), so
 that a rendered conversation extends its own generation prompts; earlier turns drop it.
