@@ -175,3 +175,17 @@ def test_a_prompt_that_fills_the_context_is_scored_and_one_past_it_refused(serve
     assert status == 400 and "which leaves no room for a reply" in body["error"]["message"]
     status, body = _post(url, "/completions", {"prompt": ids + [20], "echo": True, "logprobs": 0, "max_tokens": 0})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+
+
+def test_completions_default_to_16_tokens_and_null_means_the_default(served):
+    """A /v1/completions request without max_tokens gets 16 tokens (OpenAI's and vLLM's default, not a chat
+    reply's 512); fields sent as null (the openai client sends `n=None` so) take their defaults."""
+    url, _, _ = served
+    status, body = _post(url, "/completions", {"prompt": "def", "ignore_eos": True, "n": None, "stream": None,
+                                                "echo": None, "min_tokens": None})
+    assert status == 200 and body["usage"]["completion_tokens"] == 16 and len(body["choices"]) == 1, body
+    status, body = _post(url, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                     "logprobs": None, "n": None, **THINK_OFF})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 3, body
+    status, body = _post(url, "/chat/completions", {"messages": None})
+    assert status == 400 and body["error"]["param"] == "messages", body   # a required field stays required

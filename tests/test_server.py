@@ -483,6 +483,21 @@ def test_tool_calls_streamed_in_the_openai_shape(tool_server):
     assert content == "I will check."
 
 
+def test_a_reply_cut_short_after_a_call_says_length(tool_server):
+    """max_tokens ends the reply inside its second call: the first call is returned, and finish_reason says
+    "length" (as OpenAI's does), not "tool_calls", so that a client can tell the reply was cut."""
+    tok = Tokenizer.train(["The weather in Paris and Rome. I will check the city days."] * 20, vocab_size=300)
+    cut = len(tok.encode(CALLS[: CALLS.index("Rome")]))
+    for stream in (False, True):
+        r = tool_server.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "weather?"}],
+                                                tools=TOOLS, max_tokens=cut, stream=stream, extra_body=THINK_OFF)
+        chunks = list(r) if stream else [r]
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert reasons == ["length"], stream
+        if not stream:
+            assert [c.function.name for c in r.choices[0].message.tool_calls][:1] == ["get_weather"]
+
+
 def test_tool_choice_none_leaves_calls_as_text(tool_server):
     r = tool_server.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "weather?"}],
                                             tools=TOOLS, tool_choice="none", max_tokens=200, extra_body=THINK_OFF)

@@ -67,7 +67,8 @@ class ServerConfig:
     model_name: str = "clover-tiny"
     api_key: str | None = None
     max_waiting: int = 64
-    default_max_tokens: int = 512
+    default_max_tokens: int = 512          # a chat reply that names no max_tokens (what the context leaves, if less)
+    default_completion_tokens: int = 16    # a /v1/completions request that names none (OpenAI's and vLLM's 16)
     max_body_bytes: int = 4 << 20           # a larger request body is answered 413 before it is parsed
 
 
@@ -240,7 +241,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
     def _params(req: SamplingRequest, max_new: int | None, prompt_len: int, stop: tuple[str, ...],
                 logprobs: int | None = None, constraint: Constraint | None = None,
-                scoring: bool = False) -> SamplingParams:
+                scoring: bool = False, default_max: int | None = None) -> SamplingParams:
         """The request's sampling parameters, checked. `scoring`: for a prompt only scored (max_tokens 0 with
         echo), which may fill the whole context (the parameters are those a one-token generation would get)."""
         if req.n > MAX_N:
@@ -259,7 +260,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         if max_new is not None and max_new > room:
             raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_new}) exceeds the context "
                                 f"limit of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
-        max_new = max_new or min(cfg.default_max_tokens, room)
+        max_new = max_new or min(default_max or cfg.default_max_tokens, room)
         algorithm = req.algorithm
         if logprobs is not None and algorithm is None and defaults.algorithm not in LOGPROB_ALGORITHMS:
             algorithm = "ar"   # a request for logprobs that names no decoder gets one that can give them
@@ -420,9 +421,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 yield c, delta, ev.finished, _chat_logprobs(namer, ev.token_ids, ev.logprobs)
 
         def finish_reason(c: _Choice) -> str:
-            if c.calls:
-                return "tool_calls"
-            return "length" if c.result.finish_reason == "length" else "stop"
+            if c.result.finish_reason == "length":   # cut short, calls or not: OpenAI's "length" tells the client
+                return "length"
+            return "tool_calls" if c.calls else "stop"
 
         def tool_call_json(c: _Choice, call: Any) -> dict | None:
             if c.calls and req.parallel_tool_calls is False:
@@ -531,7 +532,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         constraint = constraint_from(req)
         jobs = [] if scoring else [(ids, p) for _, ids in prompts
                                    for p in _n_params(_params(req, req.max_tokens, len(ids), stops, req.logprobs,
-                                                              constraint), req.n)]
+                                                              constraint, default_max=cfg.default_completion_tokens),
+                                                      req.n)]
         if scoring:   # the checks a generation gets
             try:
                 _params(req, None, max(len(ids) for _, ids in prompts), stops,

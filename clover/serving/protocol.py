@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+import typing
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticUndefined
 
 MAX_N = 8
 MAX_STOP_CHARS = 1024
@@ -34,11 +36,27 @@ class APIError(Exception):
 # -- request schemas ------------------------------------------------------------------------------------
 
 
+def _nullable(annotation: Any) -> bool:
+    return annotation is None or type(None) in typing.get_args(annotation)
+
+
 class _Strict(BaseModel):
     """Nested objects: strict types; fields of no meaning here are ignored (clients echo back message
-    objects with refusal, annotations, audio ... set to null)."""
+    objects with refusal, annotations, audio ... set to null). An explicit null means the field's default,
+    as in OpenAI's API (the openai client sends `n=None` as null) where the field itself cannot be null."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            drop = [k for k, v in data.items() if v is None and k in fields and fields[k].default is not None
+                    and fields[k].default is not PydanticUndefined and not _nullable(fields[k].annotation)]
+            if drop:
+                data = {k: v for k, v in data.items() if k not in drop}
+        return data
 
 
 class _Request(_Strict):
