@@ -230,3 +230,21 @@ def test_coined_values_replace_the_harness_words_only_where_asked():
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="coin_values"):
             A.training_tasks("train", 1, coin_values=bad)
+
+
+def test_earlier_exchanges_come_from_the_conversations_own_split(monkeypatch):
+    """An earlier, unrelated exchange put before a conversation is a task of a seed from the same split's
+    range: training conversations never carry a validation or test seed's task (they drew from 0..10**9)."""
+    drawn = []
+    make_task = synthetic.make_task
+
+    def recording(family, seed, **kw):
+        drawn.append(seed)
+        return make_task(family, seed, **kw)
+
+    monkeypatch.setattr(synthetic, "make_task", recording)
+    for split in ("train", "val", "test"):
+        drawn.clear()
+        A.training_tasks(split, 120)
+        start = synthetic.SPLIT_SEEDS[split]
+        assert len(drawn) > 10 and all(start <= s < start + synthetic.SPLIT_SPAN for s in drawn), split

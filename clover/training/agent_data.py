@@ -346,9 +346,11 @@ def make_training_task(family: str, seed: int, pool: str = "train", coin_values:
         rng.shuffle(tools)
     messages = list(b.messages)
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-    if rng.random() < 0.25:  # an earlier, unrelated exchange
+    if rng.random() < 0.25:  # an earlier, unrelated exchange, of a seed from the conversation's own split
+        start = max(first for first in synthetic.SPLIT_SEEDS.values() if first <= seed)
         for _ in range(rng.randint(1, 2)):
-            prior = synthetic.make_task("arith", rng.randrange(10**9), thinking=thinking).messages
+            prior = synthetic.make_task("arith", rng.randrange(start, start + synthetic.SPLIT_SPAN),
+                                        thinking=thinking).messages
             messages[first_user:first_user] = prior
             first_user += len(prior)
     if rng.random() < 0.5:

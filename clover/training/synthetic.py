@@ -24,6 +24,7 @@ from typing import Any
 FAMILIES = ("arith", "calc", "notes", "files", "recall")
 # Disjoint seed ranges per split: training never sees a validation or test conversation.
 SPLIT_SEEDS = {"train": 0, "val": 10_000_000, "test": 20_000_000}
+SPLIT_SPAN = 10_000_000   # a split's seeds lie in [SPLIT_SEEDS[split], + SPLIT_SPAN) (the test split's from 20M on)
 
 WORDS = ("apple river stone cloud maple tiger piano orbit candle harbor lemon violet falcon meadow copper "
          "silver garden rocket winter summer forest island pepper castle bridge planet").split()
