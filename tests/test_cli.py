@@ -201,6 +201,12 @@ def test_eval_tasks_reuses_kept_task_runs_only_for_the_same_weights_and_settings
     (runs / "identity.json").write_text('{"weights_sha2')   # a marker cut short: not this model's runs
     _fresh_unless_same(runs, same)
     assert not (runs / "thinking-off").exists() and json.loads((runs / "identity.json").read_text()) == same
+    mine = tmp_path / "mine.runs"   # a directory it did not make is refused, never cleared (found by a hostile pass)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds files that are not task runs"):
+        _fresh_unless_same(mine, same)
+    assert (mine / "notes.txt").read_text() == "mine"
 
 
 def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monkeypatch):
@@ -274,6 +280,11 @@ def test_operating_system_errors_read_as_path_and_reason():
      "argument --out: /nonexistent/r.json: there is no directory /nonexistent to write it in"),
     (["eval", "match", "--data", "d", "--out", "/"], "argument --out: must name a file, and '/' is a directory"),
     (["generate", "hi", "--trace", "/nonexistent/t.html"], "argument --trace: /nonexistent/t.html: there is no dir"),
+    (["init", "/nonexistent/x", "--seed", "99999999999999999999999"], "argument --seed: must be an integer in [0, 2**63)"),
+    (["init", "/nonexistent/x", "--seed", "-1"], "argument --seed"),
+    (["train", "--data", "d", "--out", "o", "--seed", "-1"], "argument --seed"),
+    (["data", "distill", "--model", "m", "--data", "d", "--out", "o", "--seed", "2e3"], "argument --seed"),
+    (["plot", "RUN", "--out", "/"], "argument --out: must name a file"),
 ])
 def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, args, message, capsys):
     """Found by a hostile pass: each of these was a traceback from deep inside the command (a bind() overflow
@@ -294,10 +305,16 @@ def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, arg
     (["init", "OUT", "--override", '{"eos_token_id": 5}'], "eos_token_id 5 differs from the tokenizer's"),
     (["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1"], "cannot reach"),
     (["data", "build", "--out", "OUT", "--tokenizer", "MODEL", "--isolate-spaces"], "--isolate-spaces trains a tokenizer"),
+    (["train", "--data", "d", "--out", "OUT", "--init", "preset:debug", "--certainty-weight", "1"],
+     "certainty_weight only apply to the diffusion objective"),
+    (["convert", "BADCFG", "OUT"], "config.json is not valid JSON"),
 ])
 def test_bad_values_the_parser_cannot_see_are_one_line_errors(text_model, tmp_path, args, message, capsys):
     out = str(tmp_path / "new")
-    assert cli_main([{"MODEL": text_model, "OUT": out}.get(a, a) for a in args]) == 1
+    bad = tmp_path / "badcfg"
+    bad.mkdir()
+    (bad / "config.json").write_text("{bad")
+    assert cli_main([{"MODEL": text_model, "OUT": out, "BADCFG": str(bad)}.get(a, a) for a in args]) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not Path(out).exists()
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from clover.cli.evaluate import add_bench_parser, add_eval_parser
 from clover.cli.generate import add_chat_parser, add_generate_parser, add_serve_parser
-from clover.cli.options import json_object, layout, positive_int
+from clover.cli.options import json_object, layout, positive_int, seed
 from clover.cli.train import add_data_parser, add_plot_parser, add_train_parser
 from clover.model.chat import ChatFormatError
 from clover.model.checkpoint import (
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", type=layout, help="the layers' mixers, one letter per layer: L Gated DeltaNet, "
                                                  "F full attention (e.g. LFLF; default: the preset's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     # the GDN init options and their defaults are `clover train --init preset:NAME`'s (TrainConfig)
     p.add_argument("--gdn-gate-z", type=float, default=TrainConfig.gdn_gate_z,
                    help="open the GDN output gates to silu(z) at this mean z (default 0: the transformers-style init)")
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--blocks", type=positive_int, default=4, help="sequence length in blocks (default 4)")
     p.add_argument("--batch", type=positive_int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
     p.set_defaults(func=cmd_check)
 

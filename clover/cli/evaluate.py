@@ -21,7 +21,7 @@ from clover.cli.options import (
     thresholds,
 )
 from clover.engine.sampling import ALGORITHMS
-from clover.model.files import write_text_atomic
+from clover.model.files import check_replaceable, write_text_atomic
 
 if TYPE_CHECKING:
     from clover.evaluation.harness import Endpoint
@@ -126,6 +126,7 @@ def _fresh_unless_same(root: Path, identity: dict) -> None:
     weights with the same settings; others are cleared (they would stand in for this model's runs)."""
     import shutil
 
+    check_replaceable(root, "identity.json", "task runs of `clover eval tasks`")   # never a user's directory
     marker = root / "identity.json"
     try:
         same = json.loads(marker.read_text()) == identity

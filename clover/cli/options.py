@@ -32,6 +32,10 @@ def nonnegative_int(text: str) -> int:
     return _number(text, int, lambda v: v >= 0, "0 or more")
 
 
+def seed(text: str) -> int:
+    return _number(text, int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
+
+
 def port(text: str) -> int:
     return _number(text, int, lambda v: 1 <= v <= 65535, "a TCP port in [1, 65535]")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 
-from clover.cli.options import nonnegative_int, positive_int
+from clover.cli.options import nonnegative_int, output_file, positive_int, seed
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
 from clover.model.files import check_replaceable, json_lines, write_directory
 from clover.model.tokenizer import SMALLEST_VOCAB, Tokenizer
@@ -118,7 +119,7 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--code", type=nonnegative_int, default=300, help="code prompts")
     d.add_argument("--new-tokens", type=positive_int, default=64)
     d.add_argument("--batch", type=positive_int, default=32)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=seed, default=0)
     d.set_defaults(func=cmd_data_distill)
 
 
@@ -190,6 +191,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                                                   "softplus(dt_bias) log-uniform in [0.001, this] so the state "
                                                   "is remembered (default 0: the transformers-style "
                                                   "dt_bias 1, which forgets within a token or two)")
+        elif f.name == "seed":
+            p.add_argument(flag, type=seed, help=f"(default {default})")
         elif f.name == "certainty_weight":
             p.add_argument(flag, type=float, help="diffusion: weight of the entropy at masked positions the noisy "
                                                   "stream guesses right, so right guesses grow confident enough to "
@@ -221,7 +224,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
             rows = [r for r in records if isinstance(r, dict) and r.get("kind") == kind]
             for key in ("ar_loss", "diffusion_loss", "masked_ce"):
                 pts = [(r["step"], r[key]) for r in rows
-                       if all(isinstance(r.get(k), int | float) and not isinstance(r.get(k), bool) for k in ("step", key))]
+                       if all(isinstance(r.get(k), int | float) and not isinstance(r.get(k), bool)
+                              and math.isfinite(r[k]) for k in ("step", key))]
                 drawn += len(pts)
                 if pts:
                     ax.plot(*zip(*pts, strict=True), label=f"{Path(run).name}: {key}")
@@ -232,7 +236,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
+    fig.savefig(args.out, dpi=120, format=Path(args.out).suffix.lstrip(".").lower() or "png")   # at that very path
     print(f"wrote {args.out}")
     return 0
 
@@ -242,5 +246,6 @@ def add_plot_parser(sub: argparse._SubParsersAction) -> None:
                        description="Plot the loss curves in each run's log.jsonl.",
                        epilog="example: clover plot runs/ar runs/diff --out curves.png")
     p.add_argument("runs", nargs="+")
-    p.add_argument("--out", default="curves.png")
+    p.add_argument("--out", type=output_file, default="curves.png",
+                   help="the image file (PNG unless its name ends in another format matplotlib writes)")
     p.set_defaults(func=cmd_plot)

@@ -360,7 +360,10 @@ def convert_transformers_checkpoint(
     cfg_path = source / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"no config.json in {source}")
-    data = json.loads(cfg_path.read_text())
+    try:
+        data = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{cfg_path} must hold a JSON object")
     if block_size is not None:

@@ -49,6 +49,12 @@ class ObjectiveConfig:
         for name in ("ar_loss_weight", "certainty_weight"):
             if not 0 <= getattr(self, name) < math.inf:   # NaN fails too
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.kind == "ar":   # settings of the diffusion loss would be ignored without a word
+            plain = ObjectiveConfig()
+            unused = [name for name in ("ar_loss_weight", "loss_weighting", "complementary", "mask_mode", "eps",
+                                        "certainty_weight") if getattr(self, name) != getattr(plain, name)]
+            if unused:
+                raise ValueError(f"{', '.join(unused)} only apply to the diffusion objective (--objective diffusion)")
 
 
 @dataclass
