@@ -428,6 +428,40 @@ def test_tool_call_grammar_reads_calls_as_the_chat_format_writes_them(setup, ope
     assert not passes(call.replace("<parameter=path>\na.py\n</parameter>\n", "") + "</tool_call>")
 
 
+def test_tool_call_grammar_takes_parameters_in_schema_order_and_nullable_or_untyped_values_raw(setup):
+    """Found by a review: an optional parameter listed before a required one could not be written where the
+    tool list shows it, and a ["string", "null"] or untyped value written raw (as the template writes it)
+    was refused: the grammar pushed the model off the format it reads."""
+    from clover.engine.structured import GrammarCompiler, tool_call_grammar
+    from clover.model.chat import parse_output
+
+    model, tok = setup
+    ids = tok.special_ids
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": {"type": "object", "properties": {
+        "units": {"type": "string", "enum": ["C", "F"]}, "note": {"type": ["string", "null"]}, "extra": {},
+        "days": {"type": "integer"}, "city": {"type": "string"}}, "required": ["city"]}}}]
+    compiler = GrammarCompiler(tok, model.config.vocab_size, tok.eos_token_ids)
+    grammar = Constraint("lark", tool_call_grammar(tools, None, True, ids["<tool_call>"], ids["</tool_call>"]))
+    head = "<tool_call>\n"
+
+    def passes(params: str) -> bool:
+        call = f"<function=forecast>\n{params}</function>\n</tool_call>"
+        start = tok.encode_chat([{"role": "user", "content": "x"}], enable_thinking=False, suffix=head)
+        reply = tok.encode_chat([{"role": "user", "content": "x"}], enable_thinking=False, suffix=head + call)[len(start):]
+        return compiler.matcher(grammar).valid_prefix(reply + [tok.eos_token_ids[-1]]) == len(reply) + 1
+
+    p = {k: f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in
+         (("units", "C"), ("note", "windy"), ("extra", "any text"), ("days", "3"), ("city", "Oslo"))}
+    assert passes(p["units"] + p["note"] + p["extra"] + p["days"] + p["city"])   # every one, in schema order
+    assert passes(p["units"] + p["city"]) and passes(p["city"])                 # optional ones left out
+    assert not passes(p["units"])                                               # the required one missing
+    assert not passes(p["city"] + p["units"])                                   # out of the listed order
+    assert not passes(p["days"].replace("3", "three") + p["city"])              # an integer stays JSON
+    out = parse_output(head + "<function=forecast>\n" + p["note"] + p["city"] + "</function>\n</tool_call>",
+                       thinking=False, tools=tools)
+    assert out.tool_calls[0].arguments == {"note": "windy", "city": "Oslo"}
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_auto_tool_calls_are_held_to_the_offered_tools(url, setup, algorithm):
     """Under tool_choice "auto" a reply is free until it opens a call; the call it opens (here forced

@@ -318,16 +318,21 @@ def _lit(text: str) -> str:
     return json.dumps(text)   # a Lark string literal, written as a JSON string
 
 
+# JSON-schema keywords that say nothing about a value: a parameter with only these has no schema
+ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
+
+
 def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open_id: int, close_id: int,
                       opened: bool = True) -> str:
     """A Lark grammar (llguidance) for a tool call after its start: the parameters of `named` (whose
     `<function=...>` line is pre-filled), or one of the tools (after `<tool_call>` and a new line when
     `opened`, else after the `<tool_call>` token alone: a lazy grammar that starts where the reply opens a
-    call), then `</tool_call>`; with `parallel`, more calls may follow. Parameters: the required ones in
-    schema order, then each optional one or not; a string value is any text up to the first new line and
+    call), then `</tool_call>`; with `parallel`, more calls may follow. Parameters: in schema order (as the
+    tool list shows them), each optional one or not; a string value is any text up to the first new line and
     `</parameter>` (at most maxLength characters; a lazy lexeme, so code with '<' passes) or one of its
-    enum, written raw; other values are JSON matching their schema (the tool's `$defs` in reach, oneOf
-    read as anyOf)."""
+    enum, written raw; so is a value whose type list holds "string" (["string", "null"]) or that has no
+    schema, as the template writes such values and `chat._convert` reads them; other values are JSON
+    matching their schema (the tool's `$defs` in reach, oneOf read as anyOf)."""
     rules, names = [], []
     for k, tool in enumerate(tools):
         fn = tool["function"]
@@ -336,13 +341,14 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
         defs = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)}
         required = [p for p in schema.get("required") or [] if p in props]
         parts = []
-        for i, name in enumerate(required + [p for p in props if p not in required]):
+        for i, name in enumerate(props):
             value_schema = props[name] if isinstance(props[name], dict) else {}
             enum = value_schema.get("enum")
+            kind = value_schema.get("type")
             tail = _lit(NL + "</parameter>" + NL)
             if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
                 value = "(" + " | ".join(_lit(e) for e in enum) + ")"      # written raw, as strings are
-            elif value_schema.get("type") == "string":
+            elif kind == "string" or (isinstance(kind, list) and "string" in kind) or set(value_schema) <= ANNOTATIONS:
                 # shortest match: the value ends at the first "\n</parameter>\n", which the lexeme takes too
                 value, tail = f"string_{k}_{i}", ""
                 most = value_schema.get("maxLength")
