@@ -513,15 +513,20 @@ class Engine:
     def is_stop_token(self, s: SequenceState, t: int) -> bool:
         return (t in self.eos_ids and not s.params.ignore_eos) or t in s.params.stop_token_ids
 
-    def hold_stops(self, s: SequenceState, logits: torch.Tensor, positions: torch.Tensor | int) -> torch.Tensor:
+    def hold_stops(self, s: SequenceState, logits: torch.Tensor, positions: torch.Tensor | int,
+                   complete: list[bool] | None = None) -> torch.Tensor:
         """min_tokens: logits [M,V] whose rows predict response positions `positions` [M] (an int: M
         consecutive positions from it), with every stop token at -inf where the position is below
-        params.min_tokens."""
+        params.min_tokens. A complete grammar ends the reply: it wins over min_tokens, for the sequence's
+        grammar now or, per row, where `complete[r]` says the drafts before row r complete it (a check)."""
         if s.params.min_tokens <= 0 or (s.matcher is not None and s.matcher.finished):
-            return logits   # a complete grammar ends the reply: it wins over min_tokens
+            return logits
         if isinstance(positions, int):
             positions = positions + torch.arange(logits.shape[0])
-        early = (positions < s.params.min_tokens).nonzero().squeeze(-1).to(logits.device)
+        early = positions < s.params.min_tokens
+        if complete:
+            early &= ~torch.tensor(complete + [False] * (len(early) - len(complete)), device=early.device)
+        early = early.nonzero().squeeze(-1).to(logits.device)
         stops = sorted(t for t in (*self.eos_ids, *s.params.stop_token_ids) if self.is_stop_token(s, t))
         if not len(early) or not stops:   # (with ignore_eos and no stop ids nothing stops a reply)
             return logits

@@ -818,11 +818,7 @@ class VerifyPolicy(_Blocks):
                     for r, allowed in enumerate(masks):
                         if allowed is not None:
                             preds[r] = preds[r].masked_fill(~allowed.to(preds.device), float("-inf"))
-            held = engine.hold_stops(s, preds, len(s.generated))   # row i: response position len + i
-            if any(complete):   # a row after drafts that complete the grammar may end the reply (min_tokens
-                ended = torch.tensor(complete + [False] * (len(preds) - len(complete)), device=preds.device)
-                held = torch.where(ended[:, None], preds, held)   # yields to it, as in `ar`)
-            preds = held
+            preds = engine.hold_stops(s, preds, len(s.generated), complete)   # row i: response position len + i
             tokens, kept = verify_drafts(preds[:m], drafts, probs, s.params, s.counts, s.generator)
             if kept == m and len(preds) > m:                       # every draft kept: the causal head goes on
                 t = int(pick_tokens(preds[m: m + 1], s.params, s.counts, s.generator, confidence=False)[0][0])
