@@ -304,6 +304,11 @@ def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, arg
     (["init", "OUT", "--override", '{"mask_token_id": 5}'], "differs from the tokenizer's"),
     (["init", "OUT", "--override", '{"eos_token_id": 5}'], "eos_token_id 5 differs from the tokenizer's"),
     (["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1"], "cannot reach"),
+    # found by a hostile pass: with --model given this timed every request's failure and said nothing on stderr,
+    # and `eval agent` ran every task (216 s) before failing, into a directory it had made
+    (["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--concurrency", "1"], "cannot reach"),
+    (["eval", "agent", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--out", "OUT"],
+     "endpoint m: cannot reach http://127.0.0.1:9/v1/models"),
     (["data", "build", "--out", "OUT", "--tokenizer", "MODEL", "--isolate-spaces"], "--isolate-spaces trains a tokenizer"),
     (["train", "--data", "d", "--out", "OUT", "--init", "preset:debug", "--certainty-weight", "1"],
      "certainty_weight only apply to the diffusion objective"),

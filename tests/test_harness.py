@@ -193,6 +193,35 @@ def test_infrastructure_retries_wait_the_configured_backoff(endpoint, tmp_path, 
         _cfg(url, infra_backoff_s=-1.0)
 
 
+def test_an_endpoint_that_cannot_be_reached_or_refuses_the_key_fails_before_any_task(tmp_path, monkeypatch):
+    """Found by a hostile pass: against a dead endpoint every task run became an infrastructure error, one by
+    one with retries (216 s for the default suites), before the command failed, with its run directory made."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        if request.headers.get("authorization") != "Bearer right":
+            return JSONResponse({"error": {"message": "bad key", "type": "x", "param": None, "code": None}}, 401)
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    waits = []
+    clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    clock.sleep = waits.append
+    monkeypatch.setattr(harness, "time", clock)   # the harness's waits only
+    with serve_in_thread(app) as url:
+        cfg = _cfg(url + "/v1", suites=("tools",), infra_retries=2, infra_backoff_s=1.0)
+        cfg.endpoints[0].api_key = "wrong"
+        with pytest.raises(ValueError, match="endpoint m: .*/v1/models refused the API key .HTTP 401"):
+            harness.run_harness(cfg, tmp_path / "refused")
+        assert waits == [] and not (tmp_path / "refused").exists()   # a refusal is not retried
+        cfg.endpoints[0].api_key = "right"
+        cfg.tasks_per_suite, cfg.runs = 1, 1
+        harness.run_harness(cfg, tmp_path / "ok")   # (it serves no chat: the one task run is a model error)
+    with pytest.raises(ValueError, match=f"endpoint m: cannot reach {url}/v1/models"):
+        harness.run_harness(cfg, tmp_path / "dead")
+    assert waits == [1.0, 2.0] and not (tmp_path / "dead").exists()   # the task runs' retries, then the error
+
+
 def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
     url, _ = endpoint("oracle")
     whole = harness.run_harness(_cfg(url), tmp_path / "whole")
@@ -290,11 +319,12 @@ def test_eval_tasks_runs_the_harness_against_the_model_served_in_process(tmp_pat
         assert "starting afresh" in capsys.readouterr().err
 
 
-def test_eval_agent_that_measured_nothing_exits_non_zero(tmp_path, capsys):
-    """Every run an infrastructure error (nothing listens on the endpoint): the report is written, and the
-    exit status says that no quality was measured (it was 0 before, as if the evaluation had run)."""
+def test_eval_agent_that_measured_nothing_exits_non_zero(endpoint, tmp_path, capsys):
+    """Every run an infrastructure error (the endpoint answers 503): the report is written, and the exit status
+    says that no quality was measured (it was 0 before, as if the evaluation had run)."""
     out = tmp_path / "r"
-    assert cli_main(["eval", "agent", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--suite", "synthetic",
+    url, _ = endpoint("down")
+    assert cli_main(["eval", "agent", "--endpoint", url, "--model", "m", "--suite", "synthetic",
                      "--tasks", "1", "--runs", "1", "--out", str(out)]) == 1
     assert "infrastructure error" in capsys.readouterr().err and (out / "report.md").is_file()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from clover.evaluation.client import InfraError, ModelError, stream_chat
+from clover.evaluation.client import InfraError, ModelError, list_models, stream_chat
 
 WORDS = ("the of and to in is that for it as with was on be by this are or an from at which but not have all "
          "code data model block token stream agent tool value list file test result time number function").split()
@@ -135,20 +135,16 @@ def summarise(records: list[RequestRecord], wall: float, ttft_limit: float | Non
     }
 
 
-def served_model(endpoint: str, api_key: str | None) -> str:
-    """The first model id of ENDPOINT/models; a clear error when the endpoint cannot say."""
-    url = endpoint.rstrip("/") + "/models"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def served_model(endpoint: str, model: str | None, api_key: str | None) -> str:
+    """`model`, or the first model id ENDPOINT/models lists; a clear error, before any request is timed, when
+    the endpoint cannot be reached or refuses the key."""
     try:
-        response = httpx.get(url, headers=headers, timeout=30)
-    except httpx.HTTPError as exc:
-        raise ValueError(f"cannot reach {url}: {str(exc) or type(exc).__name__}") from None
-    if response.status_code != 200:
-        raise ValueError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
-    try:
-        return str(response.json()["data"][0]["id"])
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise ValueError(f"{url} did not list a model (give --model): {response.text[:200]!r}") from None
+        models = list_models(endpoint, api_key)
+    except (InfraError, ModelError) as exc:
+        raise ValueError(str(exc)) from None
+    if model is None and not models:
+        raise ValueError(f"{endpoint.rstrip('/')}/models did not list a model (give --model)")
+    return model or models[0]
 
 
 def bench_serve(endpoint: str, model: str | None, num_prompts: int, input_len: int, output_len: int,
@@ -157,8 +153,7 @@ def bench_serve(endpoint: str, model: str | None, num_prompts: int, input_len: i
                 seed: int = 0) -> dict:
     if concurrency is None and rate is None:
         raise ValueError("give --concurrency or --rate")
-    if model is None:
-        model = served_model(endpoint, api_key)
+    model = served_model(endpoint, model, api_key)
     rng = random.Random(seed)
     if prompts_file:
         lines = [x for x in Path(prompts_file).read_text().splitlines() if x.strip()]

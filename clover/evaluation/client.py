@@ -41,6 +41,26 @@ class StreamedReply:
     chunk_chars: list[int] = field(default_factory=list)    # its characters
 
 
+def list_models(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> list[str] | None:
+    """The model ids `base_url`/models lists, or None where the server has no such listing (some
+    OpenAI-compatible servers do not). InfraError when the endpoint cannot be reached or answers 5xx;
+    ModelError when it refuses the key (401, 403): nothing sent to it would be measured."""
+    url = base_url.rstrip("/") + "/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise InfraError(f"cannot reach {url}: {str(exc) or type(exc).__name__}") from None
+    if response.status_code >= 500 or response.status_code == 429:
+        raise InfraError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
+    if response.status_code in (401, 403):
+        raise ModelError(f"{url} refused the API key (HTTP {response.status_code}): {response.text[:200]}")
+    try:
+        return [str(m["id"]) for m in response.json()["data"]] if response.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | None = None,
                 timeout_s: float = 600.0, deadline_s: float | None = None) -> StreamedReply:
     """POST `body` (with "stream": true) to `base_url`/chat/completions and read the whole stream. `timeout_s`

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from clover.evaluation.client import InfraError, ModelError, OutOfTime, StreamedReply, stream_chat
+from clover.evaluation.client import InfraError, ModelError, OutOfTime, StreamedReply, list_models, stream_chat
 from clover.evaluation.suites import Environment, HarnessTask, check_suite, suite_tasks
 from clover.model.files import json_lines, write_text_atomic
 
@@ -233,6 +233,8 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
             raise ValueError(f"{out} holds {', '.join(held)} but no results.jsonl of a run to resume: a new run would "
                              "overwrite them; choose another --out (or move them)")
     tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite)]  # fails before any file is written
+    for endpoint in cfg.endpoints:
+        _check_reachable(cfg, endpoint)
     out.mkdir(parents=True, exist_ok=True)
     meta = _metadata(cfg)
     if previous and (out / "metadata.json").is_file():  # a resumed run keeps its first metadata, notes each resume
@@ -275,6 +277,21 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     write_report(out, cfg, summary, results)
     return summary
+
+
+def _check_reachable(cfg: HarnessConfig, endpoint: Endpoint) -> None:
+    """Fail before the first task run when an endpoint cannot be reached (with the task runs' retries) or
+    refuses the key: every run would otherwise end as an infrastructure error, minutes later."""
+    for attempt in range(cfg.infra_retries + 1):
+        try:
+            list_models(endpoint.url, endpoint.api_key, timeout_s=min(cfg.request_timeout_s, 30.0))
+            return
+        except ModelError as exc:
+            raise ValueError(f"endpoint {endpoint.name}: {exc}") from None
+        except InfraError as exc:
+            if attempt == cfg.infra_retries:
+                raise ValueError(f"endpoint {endpoint.name}: {exc}") from None
+            time.sleep(min(cfg.infra_backoff_s * 2 ** attempt, 10))
 
 
 def _attempt(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht: HarnessTask, condition: dict) -> dict:
