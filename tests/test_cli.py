@@ -348,3 +348,23 @@ def test_eval_agent_help_states_every_suites_default_task_count():
     text = " ".join(next(a for a in agent._actions if "--tasks" in a.option_strings).help.split())
     for name, suite in SUITES.items():
         assert f"{name} {suite.default_count}" in text or f"{name} all {suite.default_count}" in text, name
+
+
+def test_serve_on_a_port_in_use_or_a_bad_host_is_a_one_line_error_before_the_model_loads(capsys, monkeypatch):
+    """Found by a hostile pass: uvicorn logged the errno and exited 3, after the model had loaded."""
+    import socket
+
+    from clover.model import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_for_generation", lambda *a: pytest.fail("loaded the model first"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli_main(["serve", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"clover serve: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert cli_main(["serve", "--host", "no-such-host.invalid"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("clover serve: error: --host 'no-such-host.invalid' is not an address to listen on")
+    assert err.count("\n") == 1

@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -686,6 +687,25 @@ SHUTDOWN_GRACE_S = 30
 PROTECTED = ("/tokenize", "/detokenize")
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port for uvicorn, as uvicorn binds one, but failing with a ValueError that
+    names the address (uvicorn logs the errno and exits 3 from inside its start-up)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             proto=socket.IPPROTO_TCP)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host!r} is not an address to listen on: {getattr(exc, 'strerror', None) or exc}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,
           dtype: str, device: str, model_name: str | None, prefix_cache_bytes: int = 0,
           max_prefill_tokens: int | None = None, compile: bool = False) -> None:
@@ -694,32 +714,34 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
 
     from clover.model.checkpoint import load_for_generation
 
-    loaded = load_for_generation(model_dir, dtype, device)
-    if compile:
-        loaded.model.compile_decode()
-    name = model_name or (str(model_dir).rstrip("/").split("/")[-1] if model_dir else "clover-tiny")
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
-    app = build_app(loaded.model, loaded.tokenizer, ServerConfig(name, api_key, max_waiting), max_batch_size,
-                    loaded.generation, prefix_cache_bytes, max_prefill_tokens)
-    print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
-          f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
-    engine: AsyncEngine = app.state.engine
-    if compile:
-        print("clover serve: compiling the decoding passes (minutes on a few cores the first time; inductor keeps "
-              "them on disk for the next start)", flush=True)
-        engine.engine.warm_up()
+    sock = listening_socket(host, port)   # before the model loads: a port in use is said at once, in one line
+    with sock:   # (closed however the start-up ends)
+        loaded = load_for_generation(model_dir, dtype, device)
+        if compile:
+            loaded.model.compile_decode()
+        name = model_name or (str(model_dir).rstrip("/").split("/")[-1] if model_dir else "clover-tiny")
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
+        app = build_app(loaded.model, loaded.tokenizer, ServerConfig(name, api_key, max_waiting), max_batch_size,
+                        loaded.generation, prefix_cache_bytes, max_prefill_tokens)
+        print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
+              f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
+        engine: AsyncEngine = app.state.engine
+        if compile:
+            print("clover serve: compiling the decoding passes (minutes on a few cores the first time; inductor keeps "
+                  "them on disk for the next start)", flush=True)
+            engine.engine.warm_up()
 
-    class Server(uvicorn.Server):
-        """On SIGTERM / SIGINT the engine gets SHUTDOWN_GRACE_S to finish what is running and then ends the rest
-        with a final error event, before uvicorn (which waits longer) closes the connections."""
+        class Server(uvicorn.Server):
+            """On SIGTERM / SIGINT the engine gets SHUTDOWN_GRACE_S to finish what is running and then ends the rest
+            with a final error event, before uvicorn (which waits longer) closes the connections."""
 
-        def handle_exit(self, sig: int, frame: object) -> None:
-            if not self.should_exit:
-                threading.Thread(target=engine.stop, args=(SHUTDOWN_GRACE_S,), daemon=True).start()
-            super().handle_exit(sig, frame)
+            def handle_exit(self, sig: int, frame: object) -> None:
+                if not self.should_exit:
+                    threading.Thread(target=engine.stop, args=(SHUTDOWN_GRACE_S,), daemon=True).start()
+                super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 10)
-    Server(config).run()
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 10)
+        Server(config).run(sockets=[sock])
 
