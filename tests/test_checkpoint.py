@@ -331,11 +331,11 @@ def test_converting_again_with_another_block_size_decodes_at_it(tmp_path, debug_
     assert json.loads(gen.read_text())["block_size"] == debug_config.block_size
     mine = {**json.loads(gen.read_text()), "threshold": 0.8}
     gen.write_text(json.dumps(mine))
-    assert cli_main(["convert", str(tmp_path / "c"), str(target), "--block-size", "4"]) == 0
+    assert cli_main(["convert", str(tmp_path / "c"), str(target), "--block-size", "4", "--overwrite"]) == 0
     assert json.loads(gen.read_text()) == {**mine, "block_size": 4}
     assert load_checkpoint(target).config.block_size == 4
     gen.write_text(json.dumps({**mine, "block_size": 2}))   # chosen apart from the model's 4
-    assert cli_main(["convert", str(tmp_path / "c"), str(target), "--block-size", "8"]) == 0
+    assert cli_main(["convert", str(tmp_path / "c"), str(target), "--block-size", "8", "--overwrite"]) == 0
     assert json.loads(gen.read_text())["block_size"] == 2
 
 
@@ -374,7 +374,9 @@ def test_commands_never_replace_what_is_not_theirs(tmp_path, capsys):
     assert (tmp_path / "afile").read_text() == "keep me too"
     model = tmp_path / "m"
     assert cli_main(["init", str(model), "--preset", "debug", "--no-tokenizer"]) == 0
-    assert cli_main(["init", str(model), "--preset", "debug", "--no-tokenizer", "--seed", "1"]) == 0  # a checkpoint
+    assert cli_main(["init", str(model), "--preset", "debug", "--no-tokenizer", "--seed", "1"]) == 1  # a checkpoint:
+    assert "pass --overwrite" in capsys.readouterr().err   # replaced only when asked
+    assert cli_main(["init", str(model), "--preset", "debug", "--no-tokenizer", "--seed", "1", "--overwrite"]) == 0
     assert cli_main(["export", str(model), str(model), "--causal"]) == 1
     assert "is the source" in capsys.readouterr().err
     assert cli_main(["convert", str(model), str(mine)]) == 1 and (mine / "data.txt").is_file()

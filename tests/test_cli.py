@@ -368,3 +368,20 @@ def test_serve_on_a_port_in_use_or_a_bad_host_is_a_one_line_error_before_the_mod
     err = capsys.readouterr().err
     assert err.startswith("clover serve: error: --host 'no-such-host.invalid' is not an address to listen on")
     assert err.count("\n") == 1
+
+
+def test_init_convert_and_export_replace_a_checkpoint_only_with_overwrite(tmp_path, capsys):
+    """Found by a hostile pass: `clover init DIR` over a trained checkpoint replaced its weights with random
+    ones, and `convert` / `export` wrote over one, without a word."""
+    d, other = str(tmp_path / "m"), str(tmp_path / "o")
+    assert cli_main(["init", d, "--preset", "debug", "--no-tokenizer", "--seed", "1"]) == 0
+    assert cli_main(["init", other, "--preset", "debug", "--no-tokenizer", "--seed", "2"]) == 0
+    weights = {p.name: p.read_bytes() for p in Path(d).iterdir()}
+    capsys.readouterr()
+    for args in (["init", d, "--preset", "debug", "--no-tokenizer"], ["convert", other, d], ["export", other, d, "--causal"]):
+        assert cli_main(args) == 1
+        assert capsys.readouterr().err.endswith(f"{d} holds a checkpoint already; pass --overwrite to replace it (its "
+                                                "weights would be lost), or choose another directory\n")
+        assert {p.name: p.read_bytes() for p in Path(d).iterdir()} == weights
+    assert cli_main(["init", d, "--preset", "debug", "--no-tokenizer", "--seed", "3", "--overwrite"]) == 0
+    assert {p.name: p.read_bytes() for p in Path(d).iterdir()} != weights

@@ -52,7 +52,7 @@ def _human(n: int) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    check_checkpoint_target(args.directory)
+    check_checkpoint_target(args.directory, args.overwrite)
     check_gdn_init(args.gdn_gate_z, args.gdn_dt_max)   # before a tokenizer is trained
     overrides = args.override or {}
     if args.layout:
@@ -92,14 +92,14 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _source_and_target(source: str, target: str) -> None:
+def _source_and_target(source: str, target: str, overwrite: bool) -> None:
     if Path(source).resolve() == Path(target).resolve():
         raise ValueError(f"the target {target} is the source: write it elsewhere")
-    check_checkpoint_target(target)
+    check_checkpoint_target(target, overwrite)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    _source_and_target(args.source, args.target)
+    _source_and_target(args.source, args.target, args.overwrite)
     config = convert_transformers_checkpoint(args.source, args.target, dtype=args.dtype, block_size=args.block_size,
                                              mask_token_id=args.mask_token_id, keep_mask_row=args.keep_mask_row)
     try:
@@ -117,7 +117,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    _source_and_target(args.source, args.target)
+    _source_and_target(args.source, args.target, args.overwrite)
     count = export_causal(args.source, args.target, dtype=None if args.dtype == "auto" else args.dtype)
     print(f"exported the causal model of {args.source} -> {args.target}: {count} tensors, a transformers "
           "Qwen3_5MoeForCausalLM checkpoint (no trust_remote_code needed)")
@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a checkpoint with random weights from a named preset.",
                        epilog="example: clover init /tmp/debug-model --preset debug")
     p.add_argument("directory")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
     p.add_argument("--preset", default="debug", choices=sorted(PRESETS))
     p.add_argument("--override", type=json_object, help='JSON object of config fields to change, e.g. \'{"block_size": 16}\'')
     p.add_argument("--layout", type=layout, help="the layers' mixers, one letter per layer: L Gated DeltaNet, "
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="example: clover convert ./qwen3.5-moe-ar ./clover-from-ar --dtype bfloat16")
     p.add_argument("source")
     p.add_argument("target")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--block-size", type=int, help="diffusion block size (default 32)")
     p.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's mask token where SOURCE has a "
@@ -208,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="example: clover export clover/weights/clover-tiny ./clover-tiny-causal --causal")
     p.add_argument("source")
     p.add_argument("target")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
     p.add_argument("--causal", action="store_true", required=True,
                    help="export the causal mode (the only export there is; required to say so)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

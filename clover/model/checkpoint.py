@@ -45,9 +45,13 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors"
                     "training_record.json", "trainer_state.pt", ".*.tmp")
 
 
-def check_checkpoint_target(target: str | os.PathLike) -> None:
-    """Refuse to write a checkpoint over a directory that is not one (`files.check_replaceable`)."""
+def check_checkpoint_target(target: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse to write a checkpoint over a directory that is not one (`files.check_replaceable`), and over
+    one that is unless `overwrite` (`clover init` over trained weights replaced them with random ones)."""
     check_replaceable(target, "config.json", "a checkpoint", CHECKPOINT_FILES)
+    if not overwrite and (Path(target) / "config.json").is_file():
+        raise ValueError(f"{target} holds a checkpoint already; pass --overwrite to replace it (its weights "
+                         "would be lost), or choose another directory")
 
 
 REMOTE_CODE = [Path(__file__).with_name("remote_code") / f for f in ("configuration_clover.py", "modeling_clover.py")]
