@@ -770,6 +770,10 @@ def test_train_config_refuses_a_gdn_decay_range_it_cannot_draw():
     ({"twin_coupling": math.nan}, "twin_coupling"), ({"mix": "code=1,code=2"}, "names a kind twice"),
     ({"mix": "code=1,chat=1,bogus=1"}, "mix names 'bogus', not a kind of data"), ({"seq_len": 1}, "seq_len must be at least 2"),
     ({"init": "runs/x/model", "gdn_gate_z": 2.0}, "need init preset:NAME"),   # (ignored there before, and recorded)
+    # (these three were one message, "need 0 < lr < 1, 0 <= min_lr_ratio <= 1 and warmup >= 0", naming no value)
+    ({"lr": 2.0}, r"lr must be a number in \(0, 1\), got 2.0"), ({"lr": math.nan}, "lr must be"),
+    ({"min_lr_ratio": 1.5}, r"min_lr_ratio must be a number in \[0, 1\], got 1.5"),
+    ({"warmup": -3}, "warmup must be 0 or more steps, got -3"),
 ])
 def test_train_config_refuses_values_that_would_train_nonsense(change, message):
     """Each of these was accepted and trained before (a NaN weight decay, a negative clip, a NaN loss weight):

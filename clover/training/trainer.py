@@ -101,8 +101,12 @@ class TrainConfig:
             raise ValueError(f"seq_len must be at least 2 (a row predicts its tokens from the ones before), got {self.seq_len}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if not 0 < self.lr < 1 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
-            raise ValueError("need 0 < lr < 1, 0 <= min_lr_ratio <= 1 and warmup >= 0")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"lr must be a number in (0, 1), got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be a number in [0, 1], got {self.min_lr_ratio}")
+        if not self.warmup >= 0:
+            raise ValueError(f"warmup must be 0 or more steps, got {self.warmup}")
         if not 0 <= self.weight_decay < math.inf:   # NaN fails both comparisons
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not self.clip > 0:
