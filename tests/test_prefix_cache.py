@@ -49,16 +49,66 @@ def test_a_hit_gives_the_same_output_as_a_cold_prefill(model, algorithm):
     assert stats.hits == 4 and stats.tokens_reused >= 32 + 40 + 8 + 16
 
 
+@pytest.mark.parametrize("block_size", [None, 12, 20])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_the_next_turn_reuses_the_previous_turn_and_its_reply(model, algorithm):
+def test_the_next_turn_reuses_the_previous_turn_and_its_reply(model, algorithm, block_size):
+    """Also with requests' blocks that do not divide the model's 8: their commits and keeps cross a model
+    boundary before their last token (found by a review: low_confidence at 12 and 20 and verify at 12
+    reused 8 or 16 of 56 tokens, every later block having lost its parent)."""
     engine = Engine(model, prefix_cache_bytes=64 << 20)
+    params = lambda n: SamplingParams(**{**vars(_params(algorithm, n)), "block_size": block_size})   # noqa: E731
     turn1 = _tokens(21, 4)
-    reply = engine.generate([turn1], _params(algorithm, 24))[0].token_ids
+    reply = engine.generate([turn1], params(40))[0].token_ids
     turn2 = turn1 + reply + _tokens(9, 5)
-    got = engine.generate([turn2], _params(algorithm))[0]
-    assert got.token_ids == Engine(model).generate([turn2], _params(algorithm))[0].token_ids
+    got = engine.generate([turn2], params(14))[0]
+    assert got.token_ids == Engine(model).generate([turn2], params(14))[0].token_ids
     # the prompt's blocks and the reply's committed blocks were kept: at most the last partial ones are new
-    assert got.stats.cached_tokens >= (len(turn1) + len(reply)) // 8 * 8 - 8
+    # (the reply's last request block is not committed; at 12 and 20 it starts on or before 56)
+    assert got.stats.cached_tokens == (len(turn1) + len(reply)) // 8 * 8 == 56
+
+
+@pytest.mark.parametrize("algorithm", ["low_confidence", "verify"])
+def test_blocks_kept_from_inside_a_commit_or_a_keep_equal_a_fresh_prefill(model, algorithm):
+    """The GDN states snapshotted at a model boundary inside a forward that started mid-block (chunks aligned
+    to the sequence's boundaries) or inside a `verify` keep (`model.kept_gdn`) are a prefill's states."""
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    prompt = _tokens(21, 6)
+    reply = engine.generate([prompt], SamplingParams(**{**vars(_params(algorithm, 40)), "block_size": 12}))[0].token_ids
+    tokens = prompt + reply
+    keys = block_keys(tokens, 8)[:7]
+    assert all(k in engine.prefix for k in keys)
+    cache, ref = model.new_cache(1), model.new_cache(1)
+    engine.prefix.restore(cache, 0, keys)
+    model.causal(torch.tensor([tokens[:56]]), ref, logits="none")
+    for layer in range(len(ref.keys)):
+        if ref.keys[layer] is None:   # (K/V are the cache's own rows, copied)
+            torch.testing.assert_close(cache.states[layer][0], ref.states[layer][0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.rings[layer][0], ref.rings[layer][0], atol=1e-6, rtol=0)
+
+
+def test_chunk_states_of_an_input_starting_inside_a_chunk_fall_on_the_sequences_boundaries(model):
+    """`align`: row n starts align[n] steps into a chunk; its chunk states are then those at the multiples of
+    the chunk size of the whole sequence, and its outputs and final state are those of the plain scan."""
+    layer = next(x.linear_attn for x in model.model.layers if not x.is_attention)
+    torch.manual_seed(1)
+    t, d = 13, model.config.hidden_size
+    x = torch.randn(2, t, d)
+    state = torch.randn(2, layer.heads, layer.key_dim, layer.value_dim) * 0.1
+    ring = torch.randn(2, model.config.linear_conv_kernel_dim - 1, model.config.linear_conv_dim)
+    lengths, align = torch.tensor([13, 11]), torch.tensor([5, 0])
+    with torch.no_grad():
+        plain = layer.causal(x, state, ring, lengths, 8, return_chunk_states=True)
+        aligned = layer.causal(x, state, ring, lengths, 8, return_chunk_states=True, align=align)
+        for n in range(2):
+            valid = int(lengths[n])
+            torch.testing.assert_close(aligned.out[n, :valid], plain.out[n, :valid], atol=2e-5, rtol=0)
+            torch.testing.assert_close(aligned.state[n], plain.state[n], atol=2e-5, rtol=0)
+            for c in range(1, aligned.chunk_states.shape[2]):
+                steps = c * 8 - int(align[n])          # rows of x before the c-th boundary
+                if steps > valid:
+                    break
+                part = layer.causal(x[n:n + 1, :steps], state[n:n + 1], ring[n:n + 1], torch.tensor([steps]), 8)
+                torch.testing.assert_close(aligned.chunk_states[n, :, c], part.state[0], atol=2e-5, rtol=0)
 
 
 def test_restored_cache_equals_a_fresh_prefill(model):

@@ -314,9 +314,10 @@ class Engine:
             stats.tokens_reused += n * size
 
     def _remember(self, seqs: list[SequenceState], before: list[int], rings: dict[int, torch.Tensor],
-                  trace: dict | None) -> None:
+                  trace: dict | None, inside: dict[tuple[int, int], tuple[list, list]] | None = None) -> None:
         """Snapshot every block boundary the last cache-writing forward crossed (`before`: each row's
-        length before it; `rings`: GDN conv rings before it; `trace`: GDN outputs with chunk states)."""
+        length before it; `rings`: GDN conv rings before it; `trace`: GDN outputs with chunk states;
+        `inside`: a keep's states and rings at the boundaries before its end, by (row index, block))."""
         size, cache = self.prefix.block_size, self.cache
         gdn = [i for i, st in enumerate(cache.states) if st is not None]
         for idx, s in enumerate(seqs):
@@ -330,9 +331,11 @@ class Engine:
                 if end == new:
                     states = [cache.states[i][s.row] if i in gdn else None for i in range(len(cache.states))]
                     ring = [cache.rings[i][s.row] if i in gdn else None for i in range(len(cache.rings))]
-                elif old % size == 0 and trace is not None and all(trace.get(i) is not None and trace[i].chunk_states is not None
-                                             for i in gdn):
-                    c = (end - old) // size                                 # the chunk that starts at `end`
+                elif inside is not None and (idx, b) in inside:
+                    states, ring = inside[idx, b]
+                elif trace is not None and all(trace.get(i) is not None and trace[i].chunk_states is not None
+                                               for i in gdn):
+                    c = (end - old // size * size) // size   # the chunk that starts at `end` (chunks start on boundaries)
                     states = [trace[i].chunk_states[idx, :, c] if i in gdn else None for i in range(len(cache.states))]
                     ring = [None] * len(cache.rings)
                     for i in gdn:
@@ -377,9 +380,27 @@ class Engine:
     def keep(self, seqs: list[SequenceState], trail: CheckTrail, counts: list[int]) -> None:
         """model.keep: commit the first counts[i] rows of the last check of seqs[i] (`verify`), timed."""
         before = self.cache.lengths[trail.rows].tolist() if self.prefix is not None else None
+        inside = self._kept_inside(trail, counts, before) if before is not None else None
         self._timed(seqs, lambda: self.model.keep(self.cache, trail, counts))
-        if before is not None:   # a keep ends where it crosses a boundary: the cache holds that state
-            self._remember(seqs, before, {}, None)
+        if before is not None:   # the boundary a keep ends on: the cache holds its state; those inside it: `inside`
+            self._remember(seqs, before, {}, None, inside)
+
+    def _kept_inside(self, trail: CheckTrail, counts: list[int], before: list[int]
+                     ) -> dict[tuple[int, int], tuple[list, list]]:
+        """The GDN states and rings at the block boundaries a keep crosses before its last row (a request's
+        block size that does not divide the model's), by (row index, block ending there), from the check's
+        steps (`model.kept_gdn`): the k-th such boundary of every row in one call."""
+        size, n_layers = self.prefix.block_size, len(self.cache.states)
+        ends = [list(range((old // size + 1) * size, old + n, size)) for old, n in zip(before, counts, strict=True)]
+        out: dict[tuple[int, int], tuple[list, list]] = {}
+        for k in range(max(map(len, ends), default=0)):
+            upto = [e[k] - old if k < len(e) else 0 for e, old in zip(ends, before, strict=True)]
+            kept = self.model.kept_gdn(self.cache, trail, torch.tensor(upto, device=self.device))
+            for idx, e in enumerate(ends):
+                if k < len(e):
+                    out[idx, e[k] // size - 1] = ([kept[i][0][idx] if i in kept else None for i in range(n_layers)],
+                                                  [kept[i][1][idx] if i in kept else None for i in range(n_layers)])
+        return out
 
     def _timed(self, seqs: list[SequenceState], call: Callable[[], object]) -> object:
         """Run one forward, adding its wall time to the engine's and to each sequence's model time."""

@@ -6,7 +6,9 @@ absolute positions). One entry per block, keyed by a hash chain over the token b
 of block k covers every token before it): the block's attention K/V, and each GDN layer's state and
 conv ring after the block. A request whose prompt starts with cached blocks restores them into its
 cache row (copies of K/V, state and ring) and prefills only the rest; entries come from prefills
-(per-block states from the chunked scan), block commits and AR steps that end a block.
+(per-block states from the chunked scan, its chunks on the sequence's boundaries), block commits and AR
+steps that end a block, and the boundaries inside a commit or a `verify` keep of a request whose block
+size does not divide the model's (the keep's from its check's steps, `model.kept_gdn`).
 
 Bounded by a byte budget; eviction takes the least recently used block among those that no cached
 block continues (a leaf of the tree of prefixes, as a radix cache does), so a shared beginning such

@@ -210,11 +210,15 @@ class GatedDeltaNet(nn.Module):
     def causal(
         self, x: torch.Tensor, state: torch.Tensor | None, ring: torch.Tensor, lengths: torch.Tensor,
         chunk_size: int, return_chunk_states: bool = False, keep_steps: bool = False,
+        align: torch.Tensor | None = None,
     ) -> GDNCausalOut:
         """x [N,T,D] from `state` / `ring`; rows t >= lengths[n] leave the state and ring untouched.
         `keep_steps`: also every row's key, written row and decay (a `verify` check, for `keep`). Unless chunk
         states are asked, up to RECURRENT_STEPS rows run step by step and inputs shorter than a chunk as
-        one chunk of their length (no padding)."""
+        one chunk of their length (no padding). `align` [N]: how far into a chunk each row starts (its
+        cached length modulo chunk_size); with chunk states asked, row n then runs after align[n] steps
+        that change nothing, so that its chunks start at multiples of chunk_size of the whole sequence
+        (chunk_states[n, :, c]: the state at the c-th such boundary from the one at or before its start)."""
         u = self.in_proj_qkv(x)                                                  # [N,T,Q]
         c = F.silu(causal_conv(u, ring, self.conv1d.weight.squeeze(1)))
         q, k, v = self._heads(c)
@@ -230,6 +234,20 @@ class GatedDeltaNet(nn.Module):
         if (self.use_recurrent_reference or t == 1 or (keep_steps and compiling)
                 or (not compiling and t <= RECURRENT_STEPS and not return_chunk_states)):
             o, new_state, *w = delta_rule_recurrent(q, k, v, g, beta, state, return_written=keep_steps)
+        elif return_chunk_states and align is not None and bool((align > 0).any()):
+            # each row shifted right by its align[n] zero steps (g = 0, beta = 0: the state stays), then back
+            at = (torch.arange(x.shape[0], device=x.device)[:, None],
+                  align[:, None] + torch.arange(t, device=x.device)[None, :])          # [N,1], [N,T]
+            width = t + int(align.max())
+
+            def shifted(y: torch.Tensor) -> torch.Tensor:
+                out = y.new_zeros(y.shape[0], width, *y.shape[2:])
+                out[at] = y
+                return out
+
+            o, new_state, chunk_states, *w = delta_rule_chunked(*map(shifted, (q, k, v, g, beta)), state, chunk_size,
+                                                                True, return_written=keep_steps)
+            o, w = o[at], [y[at] for y in w]
         else:
             size = chunk_size if return_chunk_states else min(chunk_size, t)
             o, new_state, chunk_states, *w = delta_rule_chunked(q, k, v, g, beta, state, size, return_chunk_states,
@@ -714,7 +732,8 @@ class CloverForCausalLM(nn.Module):
         """Run input_ids [N,T] causally after the cache (if any) and append them to it (`write` False:
         read the cache only, leaving it as it was; "kv": what `check` does, K/V written past the lengths,
         the rest left as it was). `gdn_trace`, when given, receives each GDN layer's output with its
-        state before every block-sized chunk (a prefix cache snapshots them), or, under "kv", after every row.
+        state at every block boundary from the one at or before each row's start (chunk_states; a prefix
+        cache snapshots them), or, under "kv", every row's steps.
 
         `logits`: "all" -> [N,T,V]; "valid" -> the same with zeros at the positions past each row's length
         (their LM head skipped); "last" -> [N,V] at each row's last valid position; "none" -> None
@@ -767,7 +786,8 @@ class CloverForCausalLM(nn.Module):
                 state, ring = None, zero_ring
             res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size,
                                            return_chunk_states=gdn_trace is not None and not kv_only,
-                                           keep_steps=kv_only)
+                                           keep_steps=kv_only,
+                                           align=None if gdn_trace is None else past % self.config.block_size)
             if gdn_trace is not None:
                 gdn_trace[i] = res
             if write and not kv_only:
@@ -956,21 +976,36 @@ class CloverForCausalLM(nn.Module):
         self._keep_body(steps, us, counts, _RowViews(keys, values, states, rings, None))
         return True   # (the compiled call returns None only when it could not compile)
 
+    def kept_gdn(self, cache: PrefixCache, trail: CheckTrail, counts: torch.Tensor) -> dict[int, tuple[torch.Tensor,
+                                                                                                  torch.Tensor]]:
+        """What `keep` with these counts would make each GDN layer's state [N,H,K,V] and ring [N,W-1,Q], by
+        layer index, leaving the cache as it is (a prefix cache snapshots a block boundary inside the kept
+        rows)."""
+        return self._kept(trail.steps, trail.u, counts, _CacheRows(cache, trail.rows))
+
     @staticmethod
     def _keep_body(steps: list, us: list, counts: torch.Tensor, rows: _CacheRows | _RowViews) -> None:
+        for i, (state, ring) in CloverForCausalLM._kept(steps, us, counts, rows).items():
+            rows.set_gdn(i, state, ring)
+
+    @staticmethod
+    def _kept(steps: list, us: list, counts: torch.Tensor, rows: _CacheRows | _RowViews
+              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Every GDN layer's state and ring after the kept rows (`gdn.delta_rule_kept`), the layers' steps and
         rings stacked along the batch: one `kept_terms` and one `next_ring` for all of them (run layer by layer,
         a keep was dozens of small ops, 0.9 ms of a batch-1 check of ~12 ms on 2 cores)."""
         layers = [i for i, layer_steps in enumerate(steps) if layer_steps is not None]
         if not layers:
-            return
+            return {}
         n, many = len(counts), counts.repeat(len(layers))
         scale, added = kept_terms(*(torch.cat([steps[i][j] for i in layers]) for j in range(3)), many)
         old = [rows.gdn(i) for i in layers]
         rings = next_ring(torch.cat([ring for _, ring in old]), torch.cat([us[i] for i in layers]), many)
+        out = {}
         for j, (i, (state, _)) in enumerate(zip(layers, old, strict=True)):
             at = slice(j * n, (j + 1) * n)
-            rows.set_gdn(i, (scale[at, :, None, None] * state.float() + added[at]).to(state.dtype), rings[at])
+            out[i] = ((scale[at, :, None, None] * state.float() + added[at]).to(state.dtype), rings[at])
+        return out
 
     # -- preview mode: one denoising step over the current block -------------------------------------
     def preview(
@@ -1097,7 +1132,8 @@ class CloverForCausalLM(nn.Module):
             gdn = layer.linear_attn
             state, ring = rows.gdn(i)
             clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size,
-                               return_chunk_states=gdn_trace is not None)
+                               return_chunk_states=gdn_trace is not None,
+                               align=None if gdn_trace is None else past % self.config.block_size)
             if gdn_trace is not None:
                 gdn_trace[i] = clean
             rows.set_gdn(i, clean.state, clean.ring)
