@@ -522,10 +522,9 @@ class VerifyPolicy(_Blocks):
     def step(self, engine: Engine, seqs: list[SequenceState], events: list[Event]) -> None:
         n, dev = len(seqs), engine.device
         t0 = time.perf_counter()
-        # drafts from the context; not in a check that would also commit the block before's last token: its
-        # keep would cross a block boundary without ending there, and the prefix cache keeps only states
-        # on boundaries (the block would be lost to the next turn)
-        looked = [self.looked_up(s) if engine.prefix is None or s.cached >= s.pos else [] for s in seqs]
+        # drafts from the context (with a prefix cache too: a keep that crosses a block boundary before its end,
+        # as one that commits the block before's last token with drafts does, leaves that boundary's state to it)
+        looked = [self.looked_up(s) for s in seqs]
         use = [self.use_looked(s, look) for s, look in zip(seqs, looked, strict=True)]
         chosen = self.drafts_to_check(seqs, engine.model.decode_compiled, looked, use)   # one forward serves the batch
         inputs, pending, drafted, sources = [], [], [], []
