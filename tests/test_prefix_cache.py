@@ -279,7 +279,7 @@ class _NoPreviews(VerifyPolicy):
 
 def test_the_next_turn_reuses_a_verify_reply_drafted_from_its_context(model):
     """Checks of drafts from the context that cross a block boundary still leave every committed block of
-    the reply in the prefix cache (a keep that crosses a boundary without ending on it could not)."""
+    the reply in the prefix cache (the boundaries a keep crosses before its end: `model.kept_gdn`)."""
     turn1 = _tokens(21, 4)
     truth = Engine(model).generate([turn1], _params("ar", 40))[0].token_ids
     engine = Engine(model, prefix_cache_bytes=64 << 20, policies={"verify": _NoPreviews(truth)})
