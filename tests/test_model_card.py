@@ -81,3 +81,19 @@ def test_notes_and_agent_report_of_other_weights_are_refused(tmp_path):
         card = subprocess.run([sys.executable, str(ROOT / "scripts" / "model_card.py"), str(runs), str(model),
                                str(report_dir), str(runs / "no-sweep.json")], capture_output=True, text=True)
         assert card.returncode != 0 and what in card.stderr and "not these" in card.stderr, card.stderr
+
+
+def test_the_card_gives_the_code_figure_without_test_documents_copied_from_training(tmp_path):
+    model, runs = tmp_path / "model", tmp_path / "runs"
+    runs.mkdir()
+    model.mkdir()
+    shutil.copy(SHIPPED / "config.json", model)
+    shutil.copy(SHIPPED / "training_record.json", model)
+    code = {"kind": "code", "split": "test", "documents": 20, "bytes": 1000, "model_bits_per_byte": 1.45,
+            "gzip9_bits_per_byte": 2.0, "xz9_bits_per_byte": 1.709, "near_copies": 4,
+            "without_near_copies": {"documents": 16, "bytes": 909, "model_bits_per_byte": 1.574,
+                                    "gzip9_bits_per_byte": 2.1, "xz9_bits_per_byte": 1.801}}
+    (runs / "eval_bpb_final.json").write_text(json.dumps({"results": [code]}))
+    card = _card(runs, model)
+    assert ("The release: 15.155% below, met. Without the 4 test documents that are near-copies of a training "
+            "document (9.1% of the bytes): 1.574 against xz -9's 1.801, 12.6% below.") in card

@@ -3,6 +3,7 @@
 (The agent tasks of `clover eval tasks` run through the harness: tests/test_harness.py.)"""
 
 import json
+import lzma
 import math
 
 import pytest
@@ -29,17 +30,30 @@ def test_bits_per_byte_matches_a_direct_computation(tok, tmp_path):
                                  eos_token_id=tok.eos_token_ids)
     model = perturbed_model(config)
     got = scores.bits_per_byte(model, tok, tmp_path, "code", window=4)  # windows shorter than the documents
-    nll = 0.0
+    nll = [0.0, 0.0]
     with torch.no_grad():
-        for d in docs:
+        for i, d in enumerate(docs):
             ids = [tok.special_ids["<|endoftext|>"]] + tok.encode(d)
             for s in range(0, len(ids) - 1, 4):
                 chunk = torch.tensor([ids[s: s + 5]])
                 lp = torch.log_softmax(model(chunk[:, :-1])[0], -1)
-                nll -= float(lp[torch.arange(chunk.shape[1] - 1), chunk[0, 1:]].sum())
+                nll[i] -= float(lp[torch.arange(chunk.shape[1] - 1), chunk[0, 1:]].sum())
     n = len("".join(docs).encode())
-    assert got["bytes"] == n and abs(got["model_bits_per_byte"] - nll / math.log(2) / n) < 1e-4
+    assert got["bytes"] == n and abs(got["model_bits_per_byte"] - sum(nll) / math.log(2) / n) < 1e-4
     assert 0 < got["xz9_bits_per_byte"] and 0 < got["gzip9_bits_per_byte"]
+    assert got["near_copies"] == 0 and "without_near_copies" not in got   # (no train split here)
+    # a training document holding all of the second one's lines: it is a near-copy, scored apart
+    (tmp_path / "raw" / "train").mkdir()
+    (tmp_path / "raw" / "train" / "code.jsonl").write_text(json.dumps({"text": "x = 1\n" + docs[1]}) + "\n")
+    again = scores.bits_per_byte(model, tok, tmp_path, "code", window=4)
+    assert again["model_bits_per_byte"] == got["model_bits_per_byte"] and again["near_copies"] == 1
+    rest = again["without_near_copies"]
+    n0 = len(docs[0].encode())
+    assert rest["documents"] == 1 and rest["bytes"] == n0 and abs(rest["model_bits_per_byte"] - nll[0] / math.log(2) / n0) < 1e-4
+    assert rest["xz9_bits_per_byte"] == 8 * len(lzma.compress(docs[0].encode(), preset=9 | lzma.PRESET_EXTREME)) / n0
+    # (half of its lines is not more than half: not a near-copy)
+    (tmp_path / "raw" / "train" / "code.jsonl").write_text(json.dumps({"text": "import os\n"}) + "\n")
+    assert scores.bits_per_byte(model, tok, tmp_path, "code", window=4)["near_copies"] == 0
 
 
 def test_continuation_match_rows_and_verify_equals_ar(tok, tmp_path):

@@ -49,11 +49,39 @@ BPB_BATCH_TOKENS = 8192   # tokens per forward of `bits_per_byte`
 PROMPT_TOKENS = (64, 192)  # the shortest and longest prompt of `code_prompts`
 
 
+NEAR_COPY_SHARE = 0.5   # a held-out document sharing more of its distinct non-blank lines with one training document
+
+
+def near_copies(data: str | Path, kind: str, docs: list[str]) -> list[int]:
+    """The indices of `docs` that are near-copies of a document of the train split (more than NEAR_COPY_SHARE of
+    their distinct non-blank lines in one training document: the standard library's codec tables, one per code
+    page, are ~0.9 alike); none where the data has no train split of this kind."""
+    def lines(text: str) -> set[str]:
+        return {x for x in text.splitlines() if x.strip()}
+
+    path = Path(data) / "raw" / "train" / f"{kind}.jsonl"
+    train = [lines(t) for t in read_texts(data, "train", kind)] if path.is_file() else []
+    out = []
+    for i, doc in enumerate(docs):
+        mine = lines(doc)
+        if mine and any(len(mine & t) > NEAR_COPY_SHARE * len(mine) for t in train):
+            out.append(i)
+    return out
+
+
+def _compressed_bpb(raw: bytes) -> dict:
+    n = len(raw)
+    return {"gzip9_bits_per_byte": 8 * len(gzip.compress(raw, compresslevel=9)) / n,
+            "xz9_bits_per_byte": 8 * len(lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME)) / n}
+
+
 @torch.inference_mode()
 def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, kind: str, split: str = "test",
                   window: int = 512, max_bytes: int | None = None) -> dict:
     """Every token of every document is predicted, the first from an end-of-text token, in
-    non-overlapping windows of `window` tokens (a window's first tokens see less context)."""
+    non-overlapping windows of `window` tokens (a window's first tokens see less context). Outside the
+    train split, the same figures without the documents that are near-copies of a training one
+    (`near_copies`): `without_near_copies`."""
     docs = list(read_texts(data, split, kind))
     if not docs:
         raise ValueError(f"{Path(data) / 'raw' / split / kind}.jsonl: needs documents, each with a \"text\" string")
@@ -67,31 +95,44 @@ def bits_per_byte(model: CloverForCausalLM, tok: Tokenizer, data: str | Path, ki
                 break
         docs = kept
     eos = tok.special_ids[EOS_TOKEN]
-    by_length: dict[int, list[np.ndarray]] = {}   # windows of equal length run as one batch (a short window is
-    for doc in docs:                                # many small forwards otherwise: minutes at --window 1)
-        ids = np.asarray([eos] + tok.encode(doc), dtype=np.int64)
+    by_length: dict[int, list[tuple[int, np.ndarray]]] = {}   # windows of equal length run as one batch (a short
+    for i, doc in enumerate(docs):                           # window is many small forwards otherwise: minutes
+        ids = np.asarray([eos] + tok.encode(doc), dtype=np.int64)   # at --window 1), each with its document
         for start in range(0, len(ids) - 1, window):
             chunk = ids[start: start + window + 1]
-            by_length.setdefault(len(chunk), []).append(chunk)
-    nll, tokens = 0.0, 0
+            by_length.setdefault(len(chunk), []).append((i, chunk))
+    nll, tokens = [0.0] * len(docs), [0] * len(docs)
     for length, chunks in sorted(by_length.items()):
         rows = max(1, BPB_BATCH_TOKENS // length)
-        for i in range(0, len(chunks), rows):
-            batch = torch.from_numpy(np.stack(chunks[i: i + rows])).to(model.device)
+        for j in range(0, len(chunks), rows):
+            part = chunks[j: j + rows]
+            batch = torch.from_numpy(np.stack([c for _, c in part])).to(model.device)
             logits = model(batch[:, :-1]).float()
-            nll += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
-            tokens += batch[:, 1:].numel()
+            per_row = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").sum(1).tolist()
+            for (i, _), x in zip(part, per_row, strict=True):
+                nll[i] += x
+                tokens[i] += length - 1
     raw = "".join(docs).encode()
     n = len(raw)
     if n == 0:
         raise ValueError(f"{Path(data) / 'raw' / split / kind}.jsonl: no text to score (empty documents, or "
                          "--max-bytes smaller than a character)")
-    return {
-        "kind": kind, "split": split, "documents": len(docs), "bytes": n, "tokens": tokens,
-        "model_bits_per_byte": nll / math.log(2) / n, "model_nats_per_token": nll / tokens,
-        "gzip9_bits_per_byte": 8 * len(gzip.compress(raw, compresslevel=9)) / n,
-        "xz9_bits_per_byte": 8 * len(lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME)) / n,
+    out = {
+        "kind": kind, "split": split, "documents": len(docs), "bytes": n, "tokens": sum(tokens),
+        "model_bits_per_byte": sum(nll) / math.log(2) / n, "model_nats_per_token": sum(nll) / sum(tokens),
+        **_compressed_bpb(raw),
     }
+    if split != "train":
+        copies = set(near_copies(data, kind, docs))
+        rest = [i for i in range(len(docs)) if i not in copies]
+        out["near_copies"] = len(copies)
+        if copies and rest:
+            raw_rest = "".join(docs[i] for i in rest).encode()
+            out["without_near_copies"] = {
+                "documents": len(rest), "bytes": len(raw_rest),
+                "model_bits_per_byte": sum(nll[i] for i in rest) / math.log(2) / len(raw_rest),
+                **_compressed_bpb(raw_rest)}
+    return out
 
 
 def code_prompts(tok: Tokenizer, data: str | Path, count: int, new_tokens: int, seed: int = 0,
