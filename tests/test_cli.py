@@ -370,6 +370,43 @@ def test_serve_on_a_port_in_use_or_a_bad_host_is_a_one_line_error_before_the_mod
     assert err.count("\n") == 1
 
 
+def test_serve_listens_on_every_address_of_its_host_before_the_model_loads(monkeypatch):
+    """Found by a review of the change above: it bound the first address a name resolves to (`localhost` as ::1
+    alone where /etc/hosts lists it first; uvicorn had bound both), refused --host "" (all interfaces), and
+    bound without listening, so a second server loading on the same port passed the check."""
+    import socket
+
+    from clover.serving.app import listening_sockets
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    first = listening_sockets("127.0.0.1", port)
+    try:
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            listening_sockets("127.0.0.1", port)   # (a second server, while the first still loads its model)
+    finally:
+        for sock in first:
+            sock.close()
+    everywhere = listening_sockets("", port)
+    try:
+        assert "0.0.0.0" in [sock.getsockname()[0] for sock in everywhere]
+    finally:
+        for sock in everywhere:
+            sock.close()
+    real = socket.getaddrinfo
+    both = [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("::1", port, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: both if host == "twice" else real(host, *a, **k))
+    socks = listening_sockets("twice", port)   # (::1 is skipped where IPv6 is off)
+    try:
+        assert "127.0.0.1" in [sock.getsockname()[0] for sock in socks] and all(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) for sock in socks)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_init_convert_and_export_replace_a_checkpoint_only_with_overwrite(tmp_path, capsys):
     """Found by a hostile pass: `clover init DIR` over a trained checkpoint replaced its weights with random
     ones, and `convert` / `export` wrote over one, without a word."""

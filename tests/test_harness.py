@@ -193,16 +193,16 @@ def test_infrastructure_retries_wait_the_configured_backoff(endpoint, tmp_path, 
         _cfg(url, infra_backoff_s=-1.0)
 
 
-def test_an_endpoint_that_cannot_be_reached_or_refuses_the_key_fails_before_any_task(tmp_path, monkeypatch):
+def test_an_endpoint_that_cannot_be_reached_fails_before_any_task(tmp_path, monkeypatch):
     """Found by a hostile pass: against a dead endpoint every task run became an infrastructure error, one by
-    one with retries (216 s for the default suites), before the command failed, with its run directory made."""
+    one with retries (216 s for the default suites), before the command failed, with its run directory made.
+    Any answer to /models will do (a review of that fix: a 501 there, a 429, or a key that may chat but not
+    list models was refused)."""
     app = FastAPI()
 
     @app.get("/v1/models")
     async def models(request: Request):
-        if request.headers.get("authorization") != "Bearer right":
-            return JSONResponse({"error": {"message": "bad key", "type": "x", "param": None, "code": None}}, 401)
-        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+        return JSONResponse({"error": {"message": "this key\n  may not list models", "type": "x"}}, 403)
 
     waits = []
     clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
@@ -210,16 +210,28 @@ def test_an_endpoint_that_cannot_be_reached_or_refuses_the_key_fails_before_any_
     monkeypatch.setattr(harness, "time", clock)   # the harness's waits only
     with serve_in_thread(app) as url:
         cfg = _cfg(url + "/v1", suites=("tools",), infra_retries=2, infra_backoff_s=1.0)
-        cfg.endpoints[0].api_key = "wrong"
-        with pytest.raises(ValueError, match="endpoint m: .*/v1/models refused the API key .HTTP 401"):
-            harness.run_harness(cfg, tmp_path / "refused")
-        assert waits == [] and not (tmp_path / "refused").exists()   # a refusal is not retried
-        cfg.endpoints[0].api_key = "right"
-        cfg.tasks_per_suite, cfg.runs = 1, 1
-        harness.run_harness(cfg, tmp_path / "ok")   # (it serves no chat: the one task run is a model error)
+        cfg.tasks_per_suite, cfg.runs, cfg.conditions = 1, 1, [{}]
+        summary = harness.run_harness(cfg, tmp_path / "ok")   # (it serves no chat: the one task run is a model error)
+        assert summary["default"]["reasons"]["model_error"] == 1 and waits == []
     with pytest.raises(ValueError, match=f"endpoint m: cannot reach {url}/v1/models"):
         harness.run_harness(cfg, tmp_path / "dead")
     assert waits == [1.0, 2.0] and not (tmp_path / "dead").exists()   # the task runs' retries, then the error
+
+
+def test_bench_takes_any_answer_of_models_and_says_why_it_lists_none():
+    from clover.evaluation import bench
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse({"error": "<html>\n<body>not\nhere</body>\n</html>"}, 501)
+
+    with serve_in_thread(app) as url:
+        assert bench.served_model(url + "/v1", "m", None) == "m"
+        with pytest.raises(ValueError) as err:
+            bench.served_model(url + "/v1", None, None)
+    assert str(err.value) == f"{url}/v1/models listed no model (HTTP 501); give --model"
 
 
 def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):

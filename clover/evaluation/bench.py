@@ -137,13 +137,13 @@ def summarise(records: list[RequestRecord], wall: float, ttft_limit: float | Non
 
 def served_model(endpoint: str, model: str | None, api_key: str | None) -> str:
     """`model`, or the first model id ENDPOINT/models lists; a clear error, before any request is timed, when
-    the endpoint cannot be reached or refuses the key."""
+    the endpoint cannot be reached or (without `model`) lists none."""
     try:
-        models = list_models(endpoint, api_key)
-    except (InfraError, ModelError) as exc:
+        status, models = list_models(endpoint, api_key)
+    except InfraError as exc:
         raise ValueError(str(exc)) from None
     if model is None and not models:
-        raise ValueError(f"{endpoint.rstrip('/')}/models did not list a model (give --model)")
+        raise ValueError(f"{endpoint.rstrip('/')}/models listed no model (HTTP {status}); give --model")
     return model or models[0]
 
 

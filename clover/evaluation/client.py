@@ -41,24 +41,26 @@ class StreamedReply:
     chunk_chars: list[int] = field(default_factory=list)    # its characters
 
 
-def list_models(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> list[str] | None:
-    """The model ids `base_url`/models lists, or None where the server has no such listing (some
-    OpenAI-compatible servers do not). InfraError when the endpoint cannot be reached or answers 5xx;
-    ModelError when it refuses the key (401, 403): nothing sent to it would be measured."""
+def list_models(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> tuple[int, list[str] | None]:
+    """GET `base_url`/models: (the HTTP status, the model ids it lists or None). Any answer says the endpoint
+    can be reached (a server may list nothing, answer 501, 429, or refuse a key that may still chat);
+    InfraError only when it cannot be reached."""
     url = base_url.rstrip("/") + "/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(url, headers=headers, timeout=timeout_s)
+        response = httpx.get(url, headers=headers, timeout=timeout_s, follow_redirects=True)
     except httpx.HTTPError as exc:
-        raise InfraError(f"cannot reach {url}: {str(exc) or type(exc).__name__}") from None
-    if response.status_code >= 500 or response.status_code == 429:
-        raise InfraError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
-    if response.status_code in (401, 403):
-        raise ModelError(f"{url} refused the API key (HTTP {response.status_code}): {response.text[:200]}")
+        raise InfraError(f"cannot reach {url}: {one_line(str(exc)) or type(exc).__name__}") from None
     try:
-        return [str(m["id"]) for m in response.json()["data"]] if response.status_code == 200 else None
+        models = [str(m["id"]) for m in response.json()["data"]] if response.status_code == 200 else None
     except (ValueError, KeyError, TypeError):
-        return None
+        models = None
+    return response.status_code, models
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """`text` (an error body: an HTML page, indented JSON) on one line, at most `limit` characters."""
+    return " ".join(text.split())[:limit]
 
 
 def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | None = None,

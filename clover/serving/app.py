@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import json
 import logging
@@ -687,23 +688,39 @@ SHUTDOWN_GRACE_S = 30
 PROTECTED = ("/tokenize", "/detokenize")
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port for uvicorn, as uvicorn binds one, but failing with a ValueError that
-    names the address (uvicorn logs the errno and exits 3 from inside its start-up)."""
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """TCP sockets listening on every address `host` resolves to (all interfaces for ""), as uvicorn's
+    start-up binds them, but made before the model loads and failing with a ValueError that names the
+    address (uvicorn logs the errno and exits 3 from inside its start-up, after the load). They listen at
+    once: a second server on the port is refused at its start, and a client that connects during the
+    load waits for it instead of being refused."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             proto=socket.IPPROTO_TCP)[0]
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
+                                   flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as exc:
         raise ValueError(f"--host {host!r} is not an address to listen on: {getattr(exc, 'strerror', None) or exc}") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock
+    socks: list[socket.socket] = []
+    for family, kind, proto, _, address in dict.fromkeys(infos):   # (in order, each address once)
+        sock = socket.socket(family, kind, proto)
+        socks.append(sock)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:   # (its own family only: 0.0.0.0 is bound apart, as asyncio does)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(2048)   # (uvicorn's default backlog)
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL and len(infos) > 1:   # a family the host has not enabled (as asyncio)
+                socks.pop().close()
+                continue
+            for other in socks:
+                other.close()
+            where = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
+            raise ValueError(f"cannot listen on {where}:{port}: {exc.strerror or exc}") from None
+        sock.set_inheritable(True)
+    if not socks:
+        raise ValueError(f"cannot listen on {host}:{port}: none of its addresses is available")
+    return socks
 
 
 def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,
@@ -714,8 +731,10 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
 
     from clover.model.checkpoint import load_for_generation
 
-    sock = listening_socket(host, port)   # before the model loads: a port in use is said at once, in one line
-    with sock:   # (closed however the start-up ends)
+    socks = listening_sockets(host, port)   # before the model loads: a port in use is said at once, in one line
+    with contextlib.ExitStack() as closing:   # (closed however the start-up ends)
+        for sock in socks:
+            closing.enter_context(sock)
         loaded = load_for_generation(model_dir, dtype, device)
         if compile:
             loaded.model.compile_decode()
@@ -724,7 +743,8 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
             logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
         app = build_app(loaded.model, loaded.tokenizer, ServerConfig(name, api_key, max_waiting), max_batch_size,
                         loaded.generation, prefix_cache_bytes, max_prefill_tokens)
-        print(f"clover serve: {name} on http://{host}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
+        where = f"[{host}]" if ":" in host else host or "0.0.0.0"   # (an IPv6 address is bracketed in a URL)
+        print(f"clover serve: {name} on http://{where}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
               f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
         engine: AsyncEngine = app.state.engine
         if compile:
@@ -743,5 +763,5 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
 
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 10)
-        Server(config).run(sockets=[sock])
+        Server(config).run(sockets=socks)
 
