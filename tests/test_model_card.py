@@ -24,12 +24,18 @@ def _stage_rows(card: str) -> dict[str, str]:
     return {line.split("|")[1].strip(): line for line in table}
 
 
-def test_a_card_from_the_record_alone_marks_every_carried_figure_and_keeps_the_record(tmp_path):
+def _from_the_record(tmp_path: Path) -> tuple[Path, Path]:
+    """An empty runs directory and a model directory holding the shipped config and training record only."""
     model, runs = tmp_path / "model", tmp_path / "runs"
     runs.mkdir()
     model.mkdir()
     shutil.copy(SHIPPED / "config.json", model)
     shutil.copy(SHIPPED / "training_record.json", model)
+    return model, runs
+
+
+def test_a_card_from_the_record_alone_marks_every_carried_figure_and_keeps_the_record(tmp_path):
+    model, runs = _from_the_record(tmp_path)
     record = json.loads((model / "training_record.json").read_text())
     card = _card(runs, model)
     assert set(_stage_rows(card)) == {f"{name} *" for name in record["stages"]}
@@ -84,11 +90,7 @@ def test_notes_and_agent_report_of_other_weights_are_refused(tmp_path):
 
 
 def test_the_card_gives_the_code_figure_without_test_documents_copied_from_training(tmp_path):
-    model, runs = tmp_path / "model", tmp_path / "runs"
-    runs.mkdir()
-    model.mkdir()
-    shutil.copy(SHIPPED / "config.json", model)
-    shutil.copy(SHIPPED / "training_record.json", model)
+    model, runs = _from_the_record(tmp_path)
     code = {"kind": "code", "split": "test", "documents": 20, "bytes": 1000, "model_bits_per_byte": 1.45,
             "gzip9_bits_per_byte": 2.0, "xz9_bits_per_byte": 1.709, "near_copies": 4,
             "without_near_copies": {"documents": 16, "bytes": 909, "model_bits_per_byte": 1.574,
