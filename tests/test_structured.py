@@ -280,6 +280,21 @@ def test_a_grammar_that_no_token_can_follow_is_a_400_not_a_server_error(url, set
         assert status == 400 and "no token is allowed at this position" in out["error"]["message"], (algorithm, out)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("guided_regex", "[^\\x00-\\x{10FFFF}]"),   # no character at all
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}),   # a schema defined only by itself
+])
+def test_a_grammar_that_matches_no_text_is_a_400(url, field, value):
+    """Found by a hostile pass: llguidance says so only at the first mask, and its stopped state read as a
+    complete grammar: a 200 with an empty reply (finish_reason stop) that the grammar does not match."""
+    for algorithm in ALGORITHMS:
+        status, out = _chat(url, messages=[{"role": "user", "content": "x"}], max_tokens=8, algorithm=algorithm,
+                            **{field: value})
+        assert status == 400 and "the grammar matches no text" in out["error"]["message"], (algorithm, out)
+        assert "\n" not in out["error"]["message"]
+
+
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output_against_clover_serve(url, method):
     """langchain's `with_structured_output` (a strict response_format, or a forced tool call) gets an

@@ -192,6 +192,10 @@ class GrammarCompiler:
             m = _compiled(lambda g: self._ll.LLMatcher(self._tokenizer, g, log_level=0), _grammar(constraint))
             if m.is_error():
                 raise GrammarError(f"{constraint.kind}: {m.get_error()}")
+            m.compute_bitmask()   # a grammar that matches no text fails only at its first mask (it read as
+            if m.is_error():      # complete: a 200 with an empty reply that does not match it)
+                reason = (m.get_error().strip().splitlines() or ["?"])[0]
+                raise GrammarError(f"{constraint.kind}: the grammar matches no text ({reason})")
             self._built[constraint] = m
             if len(self._built) > self._keep:
                 self._built.popitem(last=False)
@@ -218,6 +222,8 @@ class Matcher:
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next."""
         bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if self._m.is_error():   # (no text can go on from here: what was written cannot be completed)
+            raise GrammarError(f"the grammar cannot go on: {self._m.get_error()}")
         return torch.from_numpy(bits[: self.vocab_size].astype(bool))
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
