@@ -504,6 +504,42 @@ def test_tool_choice_none_leaves_calls_as_text(tool_server):
     assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
 
 
+def test_scoring_calls_wait_in_the_queue_run_one_per_round_and_are_dropped_when_their_caller_goes():
+    """Found by a hostile pass: prompt scoring (/v1/completions with echo and logprobs) skipped the queue (30
+    concurrent requests of 64 x 1,000 tokens all admitted, /health saying nothing queued), every pending call
+    ran in one round between two steps (a greedy request took 50.6 s instead of 0.17 s), and the calls of
+    clients that had left still ran."""
+    import asyncio
+
+    from clover.engine.engine import Engine
+    from clover.serving.async_engine import AsyncEngine, QueueFull
+
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
+                                 eos_token_id=tok.eos_token_ids)
+    engine = AsyncEngine(Engine(TextScriptModel([5] * 50, config), tok, max_batch_size=1), max_waiting=2)
+    ran = []
+
+    async def scenario():   # (the engine thread is not started: this coroutine plays its rounds)
+        calls = [asyncio.ensure_future(engine.call(lambda e, i=i: ran.append(i) or i)) for i in range(3)]
+        await asyncio.sleep(0)
+        assert engine.queue_depth == 3   # one takes the free batch slot's place, two wait: the queue is full
+        with pytest.raises(QueueFull, match="queue is full"):
+            await engine.call(lambda e: ran.append("refused"))
+        later = asyncio.ensure_future(engine.call(lambda e: ran.append("later") or "later", admit=False))
+        await asyncio.sleep(0)   # (a request's later calls are not refused)
+        calls[1].cancel()        # its client left
+        await asyncio.sleep(0)
+        for expected in ([0], [0, 2], [0, 2, "later"]):
+            engine._round()      # one call per round, the cancelled one skipped
+            assert ran == expected
+        assert await calls[0] == 0 and await calls[2] == 2 and await later == "later"
+        assert engine.queue_depth == 0
+
+    asyncio.run(scenario())
+    assert engine.stats.rejected == 1
+
+
 def test_full_queue_answers_429_and_api_key_is_enforced():
     import asyncio
 

@@ -346,6 +346,34 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             if watch is not None:
                 watch.cancel()
 
+    async def _scored(prompts: list[list[int]], top: int, request: Request) -> list[list]:
+        """Each prompt scored on the engine thread, one call at a time (a request of 64 long prompts does not hold
+        the engine: generation steps go on between its calls), admitted as a request is (429 when the queue is
+        full); a client that hangs up ends it (ClientGone; found by a hostile pass: scoring skipped the queue,
+        and a flood of it stalled every other request for tens of seconds, after its clients had gone too)."""
+        watch = asyncio.ensure_future(request.receive())   # (the body is read: the next message is a disconnect)
+        out = []
+        try:
+            for j, ids in enumerate(prompts):
+                call = asyncio.ensure_future(engine.call(lambda e, ids=ids: e.score(ids, top), admit=j == 0))
+                while True:
+                    done, _ = await asyncio.wait({call} | ({watch} if watch else set()),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if call in done:
+                        try:
+                            out.append(call.result())
+                        except BaseException as exc:
+                            raise _start_error(exc) from exc
+                        break
+                    if watch.result().get("type") == "http.disconnect":
+                        call.cancel()
+                        raise ClientGone()
+                    watch = None   # an unexpected message: stop watching rather than spin
+        finally:
+            if watch is not None:
+                watch.cancel()
+        return out
+
     def _n_params(params: SamplingParams, n: int) -> list[SamplingParams]:
         if n == 1:
             return [params]
@@ -545,10 +573,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         texts = [text if text is not None else tokenizer.decode(ids) for text, ids in prompts]
         scores: list[list | None] = [None] * len(prompts)
         if req.echo and req.logprobs is not None:
-            try:
-                scores = [await engine.call(lambda e, ids=ids: e.score(ids, req.logprobs)) for _, ids in prompts]
-            except BaseException as exc:
-                raise _start_error(exc) from exc
+            scores = await _scored([ids for _, ids in prompts], req.logprobs, request)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         n = 1 if scoring else req.n
         choices = [_Choice(i, None) for i in range(len(prompts) * n)]

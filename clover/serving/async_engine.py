@@ -115,8 +115,16 @@ class AsyncEngine:
 
     @property
     def queue_depth(self) -> int:
-        """Requests accepted but not yet running."""
-        return len(self._submit) + len(self.engine.waiting)
+        """Requests accepted but not yet running (scoring calls included)."""
+        return len(self._submit) + len(self.engine.waiting) + len(self._calls)
+
+    def _admit(self) -> None:
+        """QueueFull when the queue holds max_waiting requests (the caller holds the lock). Requests that free
+        batch slots will take at the next step are not waiting: a burst fills the batch and then the queue."""
+        free = max(0, self.engine.max_batch_size - self.engine.num_running)
+        if self.queue_depth - free >= self.max_waiting:
+            self.stats.rejected += 1
+            raise QueueFull(f"the server queue is full ({self.max_waiting} waiting requests); retry later")
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[Event]:
         """Events of one request; leaving the iteration early (a disconnected client) aborts it."""
@@ -125,12 +133,7 @@ class AsyncEngine:
         with self._lock:
             if self._stop:
                 raise ShuttingDown("the server is shutting down")
-            # requests that free batch slots will take at the next step are not waiting: a burst fills the
-            # batch and then the queue
-            free = max(0, self.engine.max_batch_size - self.engine.num_running)
-            if self.queue_depth - free >= self.max_waiting:
-                self.stats.rejected += 1
-                raise QueueFull(f"the server queue is full ({self.max_waiting} waiting requests); retry later")
+            self._admit()
             self._streams[rid] = stream
             self._records[rid] = RequestRecord(submitted=time.perf_counter())
             self._submit.append((rid, list(prompt_ids), params))
@@ -151,21 +154,27 @@ class AsyncEngine:
                     self.stats.aborted += 1
                 self._wake.set()
 
-    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+    async def call(self, fn: Callable[[Engine], Any], admit: bool = True) -> Any:
         """Run `fn(engine)` on the engine thread between two steps (the model is never used by two threads
-        at once) and return its result; its exception is raised here. Used for prompt scoring."""
+        at once) and return its result; its exception is raised here. Used for prompt scoring: a call waits
+        in the queue as a request does (`admit`: refused with QueueFull when it is full; a request's later
+        calls pass), one runs per round, and one whose caller has gone (cancelled) is skipped."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
             if self._stop:
                 raise ShuttingDown("the server is shutting down")
+            if admit:
+                self._admit()
             self._calls.append((fn, future))
         self._wake.set()
         return await future
 
     def _run_calls(self) -> None:
+        """The oldest call whose caller still waits (one per round: generation steps go on between them)."""
         with self._lock:
-            calls, self._calls = self._calls, []
+            live = [c for c in self._calls if not c[1].cancelled()]   # (a read of a flag another thread sets)
+            calls, self._calls = live[:1], live[1:]
         for fn, future in calls:
             try:
                 with torch.inference_mode():
@@ -244,6 +253,8 @@ class AsyncEngine:
         if self._stop and not self.engine.has_unfinished():
             return True
         if not self.engine.has_unfinished():
+            if self._calls:   # (the next call at once)
+                return False
             self._wake.wait(timeout=0.5)
             self._wake.clear()
             return False
