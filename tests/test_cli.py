@@ -98,17 +98,17 @@ def test_generate_reads_stdin_and_files_and_writes_a_trace(text_model, tmp_path)
     assert page.startswith("<!doctype html>") and '"steps": [{' in page and "<script>" in page
 
 
-@pytest.mark.parametrize("args,message", [
-    (["generate", ""], "prompt is empty"),
-    (["generate", "hi", "--max-new-tokens", "-3"], "max_new_tokens must be a positive integer"),
-    (["generate", "hi", "--temperature", "-1"], "temperature must be between 0 and 2"),
-    (["generate", "hi", "--threshold", "2"], "threshold must be between 0 and 1"),
-    (["generate", "hi", "--max-new-tokens", "5000"], "exceeds the context limit"),
-    (["generate", "word " * 1100], "exceeds the context limit"),
+@pytest.mark.parametrize("args,message,code", [
+    (["generate", ""], "prompt is empty", 1),
+    (["generate", "hi", "--max-new-tokens", "-3"], "argument --max-new-tokens: must be a positive integer", 2),
+    (["generate", "hi", "--temperature", "-1"], "argument --temperature: must be between 0 and 2", 2),
+    (["generate", "hi", "--threshold", "2"], "argument --threshold: must be between 0 and 1", 2),
+    (["generate", "hi", "--max-new-tokens", "5000"], "exceeds the context limit", 1),
+    (["generate", "word " * 1100], "exceeds the context limit", 1),
 ])
-def test_generate_bad_input_is_one_line_and_non_zero(text_model, args, message):
+def test_generate_bad_input_is_one_line_and_non_zero(text_model, args, message, code):
     out = _run(*args, "--model", text_model)
-    assert out.returncode == 1
+    assert out.returncode == code
     assert message in out.stderr and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
 
 
@@ -170,7 +170,8 @@ def test_chat_session(text_model):
 
 def test_chat_checks_its_options_before_the_first_turn(text_model):
     bad = _run("chat", "--model", text_model, "--temperature", "-1", stdin="hello\n")
-    assert bad.returncode == 1 and "temperature must be between 0 and 2" in bad.stderr and ">>>" not in bad.stdout
+    assert bad.returncode == 2 and "argument --temperature: must be between 0 and 2" in bad.stderr
+    assert ">>>" not in bad.stdout
 
 
 def test_eval_tasks_reuses_kept_task_runs_only_for_the_same_weights_and_settings(tmp_path):
@@ -285,6 +286,13 @@ def test_operating_system_errors_read_as_path_and_reason():
     (["train", "--data", "d", "--out", "o", "--seed", "-1"], "argument --seed"),
     (["data", "distill", "--model", "m", "--data", "d", "--out", "o", "--seed", "2e3"], "argument --seed"),
     (["plot", "RUN", "--out", "/"], "argument --out: must name a file"),
+    # found by a hostile pass: decoding values out of range were exit 1 naming the field, after the model loaded
+    (["generate", "hi", "--model", "MODEL", "--max-new-tokens", "0"],
+     "argument --max-new-tokens: must be a positive integer, got 0"),
+    (["chat", "--model", "MODEL", "--temperature", "5"], "argument --temperature: must be between 0 and 2, got 5.0"),
+    (["generate", "hi", "--model", "MODEL", "--max-accept", "0"], "argument --max-accept: must be a positive integer"),
+    (["generate", "hi", "--model", "MODEL", "--stop", ""], "argument --stop: must be a list of non-empty strings"),
+    (["generate", "hi", "--model", "MODEL", "--block-size", "0"], "argument --block-size"),
 ])
 def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, args, message, capsys):
     """Found by a hostile pass: each of these was a traceback from deep inside the command (a bind() overflow
@@ -422,3 +430,31 @@ def test_init_convert_and_export_replace_a_checkpoint_only_with_overwrite(tmp_pa
         assert {p.name: p.read_bytes() for p in Path(d).iterdir()} == weights
     assert cli_main(["init", d, "--preset", "debug", "--no-tokenizer", "--seed", "3", "--overwrite"]) == 0
     assert {p.name: p.read_bytes() for p in Path(d).iterdir()} != weights
+
+
+def test_generate_and_chat_status_lines_are_plain_off_a_terminal_and_chat_refuses_a_reply_longer_than_the_context(
+        text_model, capsys):
+    """Found by a hostile pass: dim escape codes went into pipes and files, and `chat --max-new-tokens 5000`
+    on a 1,024-token model started, then failed every turn telling the user to /reset."""
+    assert cli_main(["generate", "hi", "--model", text_model, "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr()
+    assert "tokens, " in out.err and "\033[" not in out.err + out.out
+    assert cli_main(["chat", "--model", text_model, "--max-new-tokens", "5000"]) == 1
+    assert capsys.readouterr().err == ("clover chat: error: --max-new-tokens 5000 leaves no room for a prompt in the "
+                                       "model's context of 1024 tokens\n")
+
+
+def test_a_trace_that_cannot_be_written_whole_leaves_the_earlier_one(text_model, tmp_path):
+    """Found by a hostile pass: the page was written in place, so a write that failed part way (here past a
+    file-size limit) left a truncated page instead of the earlier trace."""
+    import resource
+
+    trace = tmp_path / "t.html"
+    assert _run("generate", "hi", "--model", text_model, "--max-new-tokens", "4", "--trace", str(trace)).returncode == 0
+    earlier = trace.read_bytes()
+    assert len(earlier) > 4096
+    limited = subprocess.run([sys.executable, "-m", "clover", "generate", "hello", "--model", text_model,
+                              "--max-new-tokens", "4", "--trace", str(trace)], capture_output=True, text=True,
+                             timeout=120, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+    assert limited.returncode == 1 and "File too large" in limited.stderr and "Traceback" not in limited.stderr
+    assert trace.read_bytes() == earlier and [p.name for p in tmp_path.iterdir()] == ["t.html"]

@@ -7,12 +7,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
 from clover.cli.options import nonnegative_int, output_file, port, positive_int
 from clover.engine.engine import Engine, GenerationResult
-from clover.engine.sampling import ALGORITHMS, SamplingParams
+from clover.engine.sampling import ALGORITHMS, InvalidParameter, SamplingParams
 from clover.engine.structured import auto_tool_calls
 from clover.engine.trace import render_steps_ansi, write_trace_html
 from clover.model.chat import StreamingParser, parse_output, validate_tools
@@ -21,6 +22,11 @@ from clover.model.config import GenerationConfig
 from clover.model.tokenizer import Tokenizer
 
 DIM, RESET = "\033[2m", "\033[0m"
+
+
+def _dimmed(stream: TextIO) -> tuple[str, str]:
+    """The escape codes that dim a status line on `stream`, or none where it is not a terminal (a pipe, a file)."""
+    return (DIM, RESET) if stream.isatty() else ("", "")
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -38,7 +44,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace) -> Loaded:
     loaded = load_for_generation(args.model, args.dtype, args.device)
     if args.compile:   # the passes compile on first use (the engine's warm_up would build every policy's)
-        print(f"{DIM}compiling the decoding passes as they are first used (cached on disk for later runs)...{RESET}",
+        dim, reset = _dimmed(sys.stderr)
+        print(f"{dim}compiling the decoding passes as they are first used (cached on disk for later runs)...{reset}",
               file=sys.stderr)
         loaded.model.compile_decode()
     return loaded
@@ -81,6 +88,22 @@ def sampling_params(args: argparse.Namespace, generation: GenerationConfig) -> S
     )
 
 
+FLAGS = {"max_accept_per_step": "--max-accept", "stop_token_ids": "--stop-token-id"}   # (the others: --field-name)
+
+
+def check_decoding_flags(args: argparse.Namespace) -> None:
+    """A decoding option out of its bounds (`SamplingParams.validate`'s, the one place they are written) as a
+    usage error naming the flag, exit 2, before the model loads (it was exit 1 naming the field, after the
+    load); stop token ids are checked against the vocabulary once it is known."""
+    try:
+        sampling_params(args, GenerationConfig.from_dict({})).validate(vocab_size=2**62)
+    except InvalidParameter as exc:
+        flag = FLAGS.get(exc.param, "--" + exc.param.replace("_", "-"))
+        print(f"clover {args.command}: error: argument {flag}: {str(exc).removeprefix(exc.param + ' ')}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _read_tools(path: str) -> list[dict]:
     try:
         tools = json.loads(Path(path).read_text())
@@ -113,10 +136,12 @@ def _show(result: GenerationResult, prompt: str, tokenizer: Tokenizer, args: arg
         print(render_steps_ansi(result, tokenizer.decode), file=sys.stderr if args.json else sys.stdout)
     if args.trace:
         write_trace_html(args.trace, result, prompt, tokenizer.decode)
-        print(f"{DIM}trace written to {args.trace}{RESET}", file=sys.stderr)
+        dim, reset = _dimmed(sys.stderr)
+        print(f"{dim}trace written to {args.trace}{reset}", file=sys.stderr)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_decoding_flags(args)
     # options that shape a chat turn mean nothing to a plain continuation: refuse them rather than drop them
     for flag, given, what in (("--tools", args.tools, "tools are offered in a chat turn"),
                               ("--system", args.system, "the system message opens the chat"),
@@ -168,8 +193,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     elif not args.show_steps:
         s = result.stats
-        print(f"{DIM}[{s.generated_tokens} tokens, {s.nfe} forwards, TPF {s.tpf:.2f}, {s.tokens_per_s:.1f} tokens/s, "
-              f"finish: {result.finish_reason}]{RESET}", file=sys.stderr)
+        dim, reset = _dimmed(sys.stderr)
+        print(f"{dim}[{s.generated_tokens} tokens, {s.nfe} forwards, TPF {s.tpf:.2f}, {s.tokens_per_s:.1f} tokens/s, "
+              f"finish: {result.finish_reason}]{reset}", file=sys.stderr)
     _show(result, prompt, tok, args)
     return 1 if result.finish_reason == "error" else 0
 
@@ -235,17 +261,23 @@ def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: Sampling
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    check_decoding_flags(args)
     loaded = _load(args)
     tok, engine = loaded.tokenizer, Engine(loaded.model, loaded.tokenizer)
     params = sampling_params(args, loaded.generation)
     params.validate(loaded.model.config.vocab_size)   # a bad option is an error now, not at every turn
+    context = loaded.model.config.max_position_embeddings
+    if params.max_new_tokens >= context:   # (every turn would fail, and no /reset could help)
+        raise ValueError(f"--max-new-tokens {params.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"context of {context} tokens")
     thinking, show_steps = not args.no_think, args.show_steps
     colour = sys.stdout.isatty()
+    dim, reset = _dimmed(sys.stdout)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict] = []
-    print(f"{DIM}clover chat: {loaded.model.config.num_parameters()[0] / 1e6:.1f}M parameters, "
+    print(f"{dim}clover chat: {loaded.model.config.num_parameters()[0] / 1e6:.1f}M parameters, "
           f"{params.algorithm}, block {GenerationConfig.resolve_block_size(params.block_size, loaded.model.config)}, threshold "
-          f"{params.threshold}. Commands: /think on|off, /steps on|off, /reset, /exit{RESET}")
+          f"{params.threshold}. Commands: /think on|off, /steps on|off, /reset, /exit{reset}")
     while True:
         try:
             line = input(">>> ")
@@ -259,22 +291,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if line == "/reset":
             messages = []
-            print(f"{DIM}(history cleared){RESET}")
+            print(f"{dim}(history cleared){reset}")
             continue
         if line.split()[0] in ("/think", "/steps"):
             command, *rest = line.split()
             if rest not in (["on"], ["off"]):
-                print(f"{DIM}{command} takes on or off{RESET}")
+                print(f"{dim}{command} takes on or off{reset}")
                 continue
             if command == "/think":
                 thinking = rest == ["on"]
-                print(f"{DIM}(thinking {'on' if thinking else 'off'}){RESET}")
+                print(f"{dim}(thinking {'on' if thinking else 'off'}){reset}")
             else:
                 show_steps = rest == ["on"]
                 params = params.with_(record_steps=show_steps or bool(args.trace))
             continue
         if line.startswith("/"):
-            print(f"{DIM}unknown command {line.split()[0]}; try /think, /steps, /reset, /exit{RESET}")
+            print(f"{dim}unknown command {line.split()[0]}; try /think, /steps, /reset, /exit{reset}")
             continue
         messages.append({"role": "user", "content": line})
         prompt = tok.apply_chat_template(system + messages, enable_thinking=thinking)
@@ -283,22 +315,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
                                           params, thinking, colour)
         except ValueError as exc:  # e.g. the conversation outgrew the context
             messages.pop()
-            print(f"error: {exc}. Use /reset to start over.")
+            print(f"error: {exc}." + (" Use /reset to start over." if messages else ""))
             continue
         except KeyboardInterrupt:
             engine = Engine(loaded.model, tok)  # drop the interrupted request
             messages.pop()
-            print(f"\n{DIM}(interrupted){RESET}")
+            print(f"\n{dim}(interrupted){reset}")
             continue
         messages.append({"role": "assistant", "content": content})
         s = result.stats
-        print(f"{DIM}[{s.generated_tokens} tokens, {s.nfe} forwards, TPF {s.tpf:.2f}, {s.tokens_per_s:.1f} "
-              f"tokens/s]{RESET}")
+        print(f"{dim}[{s.generated_tokens} tokens, {s.nfe} forwards, TPF {s.tpf:.2f}, {s.tokens_per_s:.1f} "
+              f"tokens/s]{reset}")
         if show_steps:
             print(render_steps_ansi(result, tok.decode))
         if args.trace:
             write_trace_html(args.trace, result, prompt, tok.decode)
-            print(f"{DIM}trace of this reply written to {args.trace}{RESET}")
+            print(f"{dim}trace of this reply written to {args.trace}{reset}")
 
 
 def add_chat_parser(sub: argparse._SubParsersAction) -> None:

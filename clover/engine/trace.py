@@ -14,6 +14,7 @@ from pathlib import Path
 
 from clover.engine.engine import GenerationResult
 from clover.engine.sequence import NO_DRAFT, GenerationStats
+from clover.model.files import write_text_atomic
 
 _NO_DRAFT_PIECE = "\u00b7"   # shown for a slot with no draft
 
@@ -191,4 +192,4 @@ def write_trace_html(path: str | Path, result: GenerationResult, prompt_text: st
     summary = html.escape(f"{s.generated_tokens} tokens in {s.nfe} forwards ({s.preview_forwards} previews, "
                           f"{s.commit_forwards} commits{checks}), TPF {s.tpf:.2f}, {s.blocks} blocks.")
     page = _PAGE.replace("__SUMMARY__", summary).replace("__DATA__", json.dumps(data).replace("</", "<\\/"))
-    Path(path).write_text(page, encoding="utf-8")
+    write_text_atomic(path, page)   # (a failed write leaves the earlier trace whole)
