@@ -321,13 +321,15 @@ def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, arg
     (["train", "--data", "d", "--out", "OUT", "--init", "preset:debug", "--certainty-weight", "1"],
      "certainty_weight only apply to the diffusion objective"),
     (["convert", "BADCFG", "OUT"], "config.json is not valid JSON"),
-])
+    (["generate", "x", "--chat", "--tools", "TOOLS", "--ignore-eos"], "--ignore-eos with --tools"),   # (found by a
+])                                                                      # hostile pass: the grammar went off unsaid)
 def test_bad_values_the_parser_cannot_see_are_one_line_errors(text_model, tmp_path, args, message, capsys):
     out = str(tmp_path / "new")
     bad = tmp_path / "badcfg"
     bad.mkdir()
     (bad / "config.json").write_text("{bad")
-    assert cli_main([{"MODEL": text_model, "OUT": out, "BADCFG": str(bad)}.get(a, a) for a in args]) == 1
+    tools = str(Path(__file__).resolve().parents[1] / "examples" / "tools.json")
+    assert cli_main([{"MODEL": text_model, "OUT": out, "BADCFG": str(bad), "TOOLS": tools}.get(a, a) for a in args]) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not Path(out).exists()
 

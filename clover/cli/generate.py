@@ -151,6 +151,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} needs --chat: {what}")
     if args.free_tool_calls and not args.tools:
         raise ValueError("--free-tool-calls needs --tools: without tools no call is held to them")
+    if args.tools and args.ignore_eos and not args.free_tool_calls:   # (it turned the grammar off without a word)
+        raise ValueError("--ignore-eos with --tools: the calls' grammar ends the reply when a call is complete; "
+                         "add --free-tool-calls to decode past it with the model's own calls")
     text = _read_prompt(args)
     if not text.strip():
         raise ValueError("the prompt is empty")
