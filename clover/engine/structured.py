@@ -223,7 +223,7 @@ class Matcher:
         """[V] bool: the tokens the grammar allows next."""
         bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         if self._m.is_error():   # (no text can go on from here: what was written cannot be completed)
-            raise GrammarError(f"the grammar cannot go on: {self._m.get_error()}")
+            raise GrammarError(f"the grammar cannot go on ({(self._m.get_error().strip().splitlines() or ['?'])[0]})")
         return torch.from_numpy(bits[: self.vocab_size].astype(bool))
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
