@@ -64,6 +64,11 @@ def test_template_with_tools_and_tool_turns(tokenizer):
     ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "bad name!"}}], "function.name"),
     ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
      "type object"),
+    # found by a hostile pass: a misspelt type turned the call's grammar off with a warning, and the call was free
+    ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"type": "strin"}}}}}], r"properties.city.type must be one of string"),
+    ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"type": ["string", 3]}}}}}], "or a list of them"),
 ])
 def test_bad_chat_input_is_rejected_clearly(messages, tools, message, tokenizer):
     with pytest.raises(ChatFormatError, match=message):

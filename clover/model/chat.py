@@ -111,6 +111,9 @@ def parse_tool_arguments(messages: list[dict]) -> list[dict]:
     return out
 
 
+JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+
+
 def validate_tools(tools: list[dict] | None) -> list[dict]:
     """OpenAI tool definitions: [{"type": "function", "function": {"name", "parameters"?...}}]."""
     if not tools:
@@ -139,6 +142,11 @@ def validate_tools(tools: list[dict] | None) -> list[dict]:
         if bad is not None:   # `<parameter=NAME>` could not be read back
             raise ChatFormatError(f"tools[{i}].function.parameters.properties: the name {bad!r} must be non-empty "
                                   "without '>' or a new line")
+        for key, schema in props.items():   # (a misspelt type turned the call's grammar off, with a warning only)
+            kinds = schema.get("type", [])
+            if not all(k in JSON_TYPES for k in (kinds if isinstance(kinds, list) else [kinds])):
+                raise ChatFormatError(f"tools[{i}].function.parameters.properties.{key}.type must be one of "
+                                      f"{', '.join(JSON_TYPES)} (or a list of them), got {kinds!r}")
         required = params.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ChatFormatError(f"tools[{i}].function.parameters.required must be a list of property names")
