@@ -159,13 +159,27 @@ def test_generate_unknown_model_path():
 
 
 def test_chat_session(text_model):
-    script = "hello\n/think off\n/think maybe\nhow are you\n/bogus\n/reset\n/exit\n"
+    script = "hello\n/think off\n/think maybe\nhow are you\n/bogus\n/reset\n/steps on\n/exit now\n/exit\n"
     out = _run("chat", "--model", text_model, "--max-new-tokens", "8", stdin=script)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("forwards, TPF") == 2
     assert "(thinking off)" in out.stdout and "unknown command /bogus" in out.stdout
     assert "/think takes on or off" in out.stdout and "(thinking on)" not in out.stdout
     assert "(history cleared)" in out.stdout
+    # found by a hostile pass: "/exit now" was an unknown command, "/steps on" said nothing
+    assert "/exit takes nothing after it" in out.stdout and "(steps on)" in out.stdout
+    long = _run("chat", "--model", text_model, "--max-new-tokens", "8", stdin="word " * 1100 + "\n/exit\n")
+    assert long.returncode == 0 and "exceeds the context limit" in long.stderr and "/reset" not in long.stderr
+
+
+def test_generate_reads_standard_input_as_utf8_and_says_so_when_it_is_not(text_model):
+    out = subprocess.run([sys.executable, "-m", "clover", "generate", "--model", text_model, "--max-new-tokens", "2"],
+                         input=b"caf\xe9", capture_output=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.decode() == "clover generate: error: standard input is not UTF-8 text (unexpected end of data at byte 3)\n"
+    ok = subprocess.run([sys.executable, "-m", "clover", "generate", "--model", text_model, "--max-new-tokens", "2"],
+                        input="café".encode(), capture_output=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_chat_checks_its_options_before_the_first_turn(text_model):

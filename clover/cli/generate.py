@@ -128,7 +128,13 @@ def _read_prompt(args: argparse.Namespace) -> str:
         return args.prompt
     if sys.stdin.isatty() and args.prompt is None:
         raise ValueError("no prompt: give it as an argument, with --file, or on standard input")
-    return sys.stdin.read()
+    if not hasattr(sys.stdin, "buffer"):   # (a text stream put in its place)
+        return sys.stdin.read()
+    raw = sys.stdin.buffer.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:   # (read as text, it became "a lone UTF-16 surrogate" further on)
+        raise ValueError(f"standard input is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def _show(result: GenerationResult, prompt: str, tokenizer: Tokenizer, args: argparse.Namespace) -> None:
@@ -290,6 +296,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         line = line.strip()
         if not line:
             continue
+        if line.split()[0] in ("/exit", "/quit", "/reset") and len(line.split()) > 1:
+            print(f"{dim}{line.split()[0]} takes nothing after it{reset}")
+            continue
         if line in ("/exit", "/quit"):
             return 0
         if line == "/reset":
@@ -307,6 +316,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             else:
                 show_steps = rest == ["on"]
                 params = params.with_(record_steps=show_steps or bool(args.trace))
+                print(f"{dim}(steps {'on' if show_steps else 'off'}){reset}")
             continue
         if line.startswith("/"):
             print(f"{dim}unknown command {line.split()[0]}; try /think, /steps, /reset, /exit{reset}")
@@ -318,7 +328,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                                           params, thinking, colour)
         except ValueError as exc:  # e.g. the conversation outgrew the context
             messages.pop()
-            print(f"error: {exc}." + (" Use /reset to start over." if messages else ""))
+            print(f"error: {exc}." + (" Use /reset to start over." if messages else ""), file=sys.stderr)
             continue
         except KeyboardInterrupt:
             engine = Engine(loaded.model, tok)  # drop the interrupted request
