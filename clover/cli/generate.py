@@ -239,10 +239,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 # -- chat ---------------------------------------------------------------------------------------------
 
 
-def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: SamplingParams, thinking: bool,
-                colour: bool) -> tuple[GenerationResult, str]:
+def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: SamplingParams, thinking: bool
+                ) -> tuple[GenerationResult, str]:
     parser = StreamingParser(thinking=thinking)
-    dim, reset = (DIM, RESET) if colour else ("", "")
+    dim, reset = _dimmed(sys.stdout)
     in_reasoning = False
     result = None
     for event in engine.stream(ids, params):
@@ -280,7 +280,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens {params.max_new_tokens} leaves no room for a prompt in the model's "
                          f"context of {context} tokens")
     thinking, show_steps = not args.no_think, args.show_steps
-    colour = sys.stdout.isatty()
     dim, reset = _dimmed(sys.stdout)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict] = []
@@ -325,7 +324,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         prompt = tok.apply_chat_template(system + messages, enable_thinking=thinking)
         try:
             result, content = _print_turn(engine, tok, tok.encode_chat(system + messages, enable_thinking=thinking),
-                                          params, thinking, colour)
+                                          params, thinking)
         except ValueError as exc:  # e.g. the conversation outgrew the context
             messages.pop()
             print(f"error: {exc}." + (" Use /reset to start over." if messages else ""), file=sys.stderr)

@@ -172,6 +172,11 @@ def grammar_error(constraint: Constraint) -> str | None:
     return "; ".join(messages) if is_error else None
 
 
+def _headline(matcher: Any) -> str:
+    """The first line of an llguidance matcher's error (the rest dumps its state and grammar)."""
+    return (matcher.get_error().strip().splitlines() or ["?"])[0]
+
+
 class GrammarCompiler:
     """Turns constraints into matchers for one tokenizer and vocabulary (the tokenizer is converted once).
     The matchers of the last `keep` constraints are kept at their start and copied for each request: an
@@ -194,8 +199,7 @@ class GrammarCompiler:
                 raise GrammarError(f"{constraint.kind}: {m.get_error()}")
             m.compute_bitmask()   # a grammar that matches no text fails only at its first mask (it read as
             if m.is_error():      # complete: a 200 with an empty reply that does not match it)
-                reason = (m.get_error().strip().splitlines() or ["?"])[0]
-                raise GrammarError(f"{constraint.kind}: the grammar matches no text ({reason})")
+                raise GrammarError(f"{constraint.kind}: the grammar matches no text ({_headline(m)})")
             self._built[constraint] = m
             if len(self._built) > self._keep:
                 self._built.popitem(last=False)
@@ -223,7 +227,7 @@ class Matcher:
         """[V] bool: the tokens the grammar allows next."""
         bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         if self._m.is_error():   # (no text can go on from here: what was written cannot be completed)
-            raise GrammarError(f"the grammar cannot go on ({(self._m.get_error().strip().splitlines() or ['?'])[0]})")
+            raise GrammarError(f"the grammar cannot go on ({_headline(self._m)})")
         return torch.from_numpy(bits[: self.vocab_size].astype(bool))
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:

@@ -297,6 +297,19 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe, "tpf": completion / nfe if nfe else 0.0,
                 "blocks": sum(c.result.stats.blocks for c in choices if c.result)}
 
+    async def _unless_gone(work: asyncio.Future, watch: asyncio.Future | None) -> asyncio.Future | None:
+        """Wait for `work` unless the client hangs up first (`watch`: its next message; then `work` is cancelled
+        and ClientGone raised). Returns the watch to go on with: None once a message other than a disconnect
+        came (stop watching rather than spin)."""
+        while True:
+            done, _ = await asyncio.wait({work} | ({watch} if watch else set()), return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return watch
+            if watch.result().get("type") == "http.disconnect":
+                work.cancel()
+                raise ClientGone()
+            watch = None
+
     async def _merged(jobs: list[tuple[list[int], SamplingParams]], request: Request, stream: bool = False
                       ) -> AsyncIterator[tuple[int, Any]]:
         """Events of the sequences of one request ((prompt, params) each: n choices of one or more prompts),
@@ -323,13 +336,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
             open_ = len(tasks)
             while open_:
                 get = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({get, watch} - {None}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    if watch.result().get("type") == "http.disconnect":
-                        raise ClientGone()
-                    watch = None  # an unexpected message: stop watching rather than spin
-                    continue
+                watch = await _unless_gone(get, watch)
                 i, item = get.result()
                 if item is None:
                     open_ -= 1
@@ -356,19 +363,11 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         try:
             for j, ids in enumerate(prompts):
                 call = asyncio.ensure_future(engine.call(lambda e, ids=ids: e.score(ids, top), admit=j == 0))
-                while True:
-                    done, _ = await asyncio.wait({call} | ({watch} if watch else set()),
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    if call in done:
-                        try:
-                            out.append(call.result())
-                        except BaseException as exc:
-                            raise _start_error(exc) from exc
-                        break
-                    if watch.result().get("type") == "http.disconnect":
-                        call.cancel()
-                        raise ClientGone()
-                    watch = None   # an unexpected message: stop watching rather than spin
+                watch = await _unless_gone(call, watch)
+                try:
+                    out.append(call.result())
+                except BaseException as exc:
+                    raise _start_error(exc) from exc
         finally:
             if watch is not None:
                 watch.cancel()
