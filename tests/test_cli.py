@@ -169,7 +169,33 @@ def test_chat_session(text_model):
     # found by a hostile pass: "/exit now" was an unknown command, "/steps on" said nothing
     assert "/exit takes nothing after it" in out.stdout and "(steps on)" in out.stdout
     long = _run("chat", "--model", text_model, "--max-new-tokens", "8", stdin="word " * 1100 + "\n/exit\n")
-    assert long.returncode == 0 and "exceeds the context limit" in long.stderr and "/reset" not in long.stderr
+    # the failed turn is the exit status's (a piped chat whose turns failed exited 0)
+    assert long.returncode == 1 and "exceeds the context limit" in long.stderr and "/reset" not in long.stderr
+
+
+def test_a_reply_that_fails_is_said_once_and_fails_the_command(text_model, tmp_path):
+    """A request that ends in an error (here NaN logits): `chat` printed an empty reply with its statistics,
+    kept it in the history and exited 0; `generate --json` had no error field; both printed the engine's log
+    line (and an unexpected error's traceback) besides their own."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan"
+    shutil.copytree(text_model, broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["lm_head.weight"].fill_(float("nan"))
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    message = "error: the model's logits are NaN at this position"
+    chat = _run("chat", "--model", str(broken), "--max-new-tokens", "4", stdin="hello\nagain\n")
+    assert chat.returncode == 1 and "forwards, TPF" not in chat.stdout
+    assert chat.stderr.count(message) == 2 and chat.stderr.count("left out of the history") == 2
+    assert "request req-" not in chat.stderr
+    gen = _run("generate", "hello", "--model", str(broken), "--max-new-tokens", "4", "--json")
+    assert gen.returncode == 1 and json.loads(gen.stdout)["error"].startswith(message[len("error: "):])
+    assert gen.stderr.count(message) == 1 and "request req-" not in gen.stderr
+    plain = _run("generate", "hello", "--model", str(broken), "--max-new-tokens", "4")
+    assert plain.returncode == 1 and plain.stderr.count(message) == 1 and "finish: error" in plain.stderr
 
 
 def test_generate_reads_standard_input_as_utf8_and_says_so_when_it_is_not(text_model):

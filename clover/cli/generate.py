@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> Loaded:
+    # a failed request's error is the command's to print, once, as one line (the engine logs it for servers,
+    # through Python's last-resort handler here, and an unexpected one with its traceback)
+    logging.getLogger("clover.engine").addHandler(logging.NullHandler())
     loaded = load_for_generation(args.model, args.dtype, args.device)
     if args.compile:   # the passes compile on first use (the engine's warm_up would build every policy's)
         dim, reset = _dimmed(sys.stderr)
@@ -178,16 +182,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             params = params.with_(constraint=auto_tool_calls(tools, tok, thinking=not args.no_think))
     engine = Engine(loaded.model, tok)
     streaming = not (args.json or args.show_steps)
-    result = None
+    result, error = None, None
     with torch.inference_mode():
         for event in engine.stream(ids, params):
             if streaming and event.text:
                 print(event.text, end="", flush=True)
-            result = event.result or result
+            result, error = event.result or result, event.error or error
     if streaming:
         print()
     if args.json:
         out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+               **({"error": error} if error else {}),
                "prompt_tokens": len(result.prompt_ids), "stats": result.stats.to_dict(),
                "sampling": {k: v for k, v in params.__dict__.items() if k not in ("record_steps", "constraint")}}
         if args.chat:
@@ -206,6 +211,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"{dim}[{s.generated_tokens} tokens, {s.nfe} forwards, TPF {s.tpf:.2f}, {s.tokens_per_s:.1f} tokens/s, "
               f"finish: {result.finish_reason}]{reset}", file=sys.stderr)
     _show(result, prompt, tok, args)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
     return 1 if result.finish_reason == "error" else 0
 
 
@@ -240,13 +247,14 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: SamplingParams, thinking: bool
-                ) -> tuple[GenerationResult, str]:
+                ) -> tuple[GenerationResult, str, str | None]:
+    """Stream one reply; its result, its content and its error (None when it did not fail)."""
     parser = StreamingParser(thinking=thinking)
     dim, reset = _dimmed(sys.stdout)
     in_reasoning = False
-    result = None
+    result, error = None, None
     for event in engine.stream(ids, params):
-        result = event.result or result
+        result, error = event.result or result, event.error or error
         d = parser.feed(event.text)
         if event.finished:
             tail = parser.finish()
@@ -266,7 +274,7 @@ def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: Sampling
             for call in d.tool_calls:
                 print(f"\n{dim}[tool call] {call.name}({call.arguments_json()}){reset}", end="")
     print(reset if in_reasoning else "")
-    return result, parse_output(result.text, thinking=thinking).content
+    return result, parse_output(result.text, thinking=thinking).content, error
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -286,12 +294,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     print(f"{dim}clover chat: {loaded.model.config.num_parameters()[0] / 1e6:.1f}M parameters, "
           f"{params.algorithm}, block {GenerationConfig.resolve_block_size(params.block_size, loaded.model.config)}, threshold "
           f"{params.threshold}. Commands: /think on|off, /steps on|off, /reset, /exit{reset}")
+    failed = 0   # turns that ended in an error: a piped chat reports them in its exit status
     while True:
         try:
             line = input(">>> ")
         except (EOFError, KeyboardInterrupt):
             print()
-            return 0
+            return 1 if failed else 0
         line = line.strip()
         if not line:
             continue
@@ -299,7 +308,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"{dim}{line.split()[0]} takes nothing after it{reset}")
             continue
         if line in ("/exit", "/quit"):
-            return 0
+            return 1 if failed else 0
         if line == "/reset":
             messages = []
             print(f"{dim}(history cleared){reset}")
@@ -323,16 +332,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         prompt = tok.apply_chat_template(system + messages, enable_thinking=thinking)
         try:
-            result, content = _print_turn(engine, tok, tok.encode_chat(system + messages, enable_thinking=thinking),
+            result, content, error = _print_turn(engine, tok, tok.encode_chat(system + messages, enable_thinking=thinking),
                                           params, thinking)
         except ValueError as exc:  # e.g. the conversation outgrew the context
             messages.pop()
+            failed += 1
             print(f"error: {exc}." + (" Use /reset to start over." if messages else ""), file=sys.stderr)
             continue
         except KeyboardInterrupt:
             engine = Engine(loaded.model, tok)  # drop the interrupted request
             messages.pop()
             print(f"\n{dim}(interrupted){reset}")
+            continue
+        if result.finish_reason == "error":   # the reply failed: it is not part of the history
+            messages.pop()
+            failed += 1
+            print(f"error: {error}; the turn is left out of the history", file=sys.stderr)
             continue
         messages.append({"role": "assistant", "content": content})
         s = result.stats
