@@ -102,6 +102,7 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
     words = r.get("words", {})   # whole words copied, in the same spelling or respelt (none: shown as -)
     figures["copy_words_same"], figures["copy_words_respelt"] = (words.get(k, {}).get("accuracy") for k in
                                                                  ("same_spelling", "respelt"))
+    figures["copy_unseen_names"] = r.get("unseen_names", {}).get("accuracy")   # a name no model can know, copied
     figures["lc_tpf"], figures["lc_match"] = rows["low_confidence", 0.95]["tpf"], rows["low_confidence", 0.95]["match"]
     figures["ar_match"], figures["verify_tpf"] = rows["ar", None]["match"], rows["verify", None]["tpf"]
     return figures
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         for family in sorted(by_base.keys() | by_cand.keys()):
             print(f"{f'  {pool} {family}':20}{by_base.get(family, float('nan')):12.4f}"
                   f"{by_cand.get(family, float('nan')):12.4f}")
-    for k in ("copy_numbers", "copy_other", "copy_words_same", "copy_words_respelt"):
+    for k in ("copy_numbers", "copy_other", "copy_words_same", "copy_words_respelt", "copy_unseen_names"):
         shown = [f"{x[k]:12.4f}" if isinstance(x.get(k), float) else f"{'-':>12}" for x in (base, cand)]
         print(f"{'  ' + k:20}{shown[0]}{shown[1]}")
     replace, checks = verdict(cand, base, a)

@@ -167,6 +167,28 @@ def test_copy_accuracy_scores_each_assistant_token_against_the_prediction_before
     assert all(w["words"] > 0 and w["accuracy"] == 1.0 for w in good_words.values())
     bad_words = scores.copy_accuracy(Lagging(tok.vocab_size), tok, count=6)["words"]
     assert all(w["accuracy"] < 0.5 for w in bad_words.values())
+    good_names = scores.copy_accuracy(Oracle(tok.vocab_size), tok, count=12)["unseen_names"]
+    bad_names = scores.copy_accuracy(Lagging(tok.vocab_size), tok, count=12)["unseen_names"]
+    assert good_names["names"] > 0 and good_names["accuracy"] == good_names["token_accuracy"] == 1.0
+    assert bad_names["names"] == good_names["names"] and bad_names["accuracy"] == 0.0
+
+
+def test_unseen_name_replaces_a_stated_and_copied_name_everywhere_and_nothing_else():
+    import random
+
+    messages = [{"role": "user", "content": "What is the capital of Kaqua? Answer for Kaqua."},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "capital_of", "arguments": {"country": "Kaqua"}}}]},
+                {"role": "tool", "content": "Othru"},
+                {"role": "assistant", "content": "The capital of Kaqua is Othru. Kaquan food is good."}]
+    renamed, name = scores.with_unseen_name(messages, random.Random(0))
+    text = str(renamed)
+    assert "Kaqua" not in text.replace("Kaquan", "") and text.count(name) == 4 and "Kaquan" in text
+    assert name[0].isupper() and "Othru" in text and "What" in text and "Answer" in text
+    # a name the assistant never repeats, or one that opens a sentence, is not a copy
+    assert scores.with_unseen_name(messages[:1] + [{"role": "assistant", "content": "Othru."}], random.Random(0)) is None
+    assert scores.with_unseen_name([{"role": "user", "content": "Kaqua is far."},
+                                    {"role": "assistant", "content": "Kaqua"}], random.Random(0)) is None
 
 
 @pytest.mark.parametrize("pool", ["train", "heldout"])

@@ -10,7 +10,7 @@
   in the conversation (copied), of a number that does not (computed), other tokens seen earlier, others;
   and whole words copied from earlier in the conversation, in the same spelling or respelt (a space before
   the word here and none before every earlier occurrence, or the other way round: `\nOthru` is `Oth`+`ru`,
-  ` Othru` is ` Oth`+`ru`);
+  ` Othru` is ` Oth`+`ru`); and a name the conversation copies, replaced by one no model can know;
 - `repeat_accuracy`: copying outside the chat format: a random string (digits, words, made-up names)
   written twice, teacher-forced accuracy on the second copy after its first token (induction).
 - `turn_accuracy`: agent conversations of a split (validation seeds by default), each assistant turn
@@ -32,6 +32,7 @@ import random
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ from clover.model.config import GenerationConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.tokenizer import EOS_TOKEN, IM_END, Tokenizer
 from clover.training.data import encode_stream, read_texts
+
+if TYPE_CHECKING:
+    from clover.training.synthetic import Task
 
 BPB_BATCH_TOKENS = 8192   # tokens per forward of `bits_per_byte`
 PROMPT_TOKENS = (64, 192)  # the shortest and longest prompt of `code_prompts`
@@ -258,13 +262,41 @@ def _copied_words(pieces: list[str], scored: list[bool], markup: frozenset[str] 
     return out
 
 
+_NAMED = re.compile(r"(?<=[a-z,] )[A-Z][a-z]{3,}(?![A-Za-z0-9_])")   # a capitalised word inside a sentence
+
+
+def with_unseen_name(messages: list[dict], rng: random.Random) -> tuple[list[dict], str] | None:
+    """The conversation with one name that its last user message states inside a sentence and an assistant turn
+    repeats (a place, a country: `Kaqua`) replaced everywhere by a made-up name of `recall_data.wide_name`'s
+    1,792 syllables, which the agent data never uses; None when there is no such name. The generator's own names
+    come from 16 syllables, so a model can write them from its prior over those pairs without copying; a name
+    it has never seen can only be copied."""
+    import json
+
+    from clover.training.recall_data import wide_name
+
+    users = [m for m in messages if m["role"] == "user"]
+    said = json.dumps([m for m in messages if m["role"] == "assistant"])
+    names = sorted({m.group() for m in _NAMED.finditer(users[-1].get("content") or "" if users else "")
+                    if re.search(rf"(?<![A-Za-z0-9_]){m.group()}(?![A-Za-z0-9_])", said)})
+    if not names:
+        return None
+    text = json.dumps(messages)
+    new = wide_name(rng).capitalize()
+    while new in text:
+        new = wide_name(rng).capitalize()
+    return json.loads(re.sub(rf"(?<![A-Za-z0-9_]){names[0]}(?![A-Za-z0-9_])", new, text)), new
+
+
 @torch.inference_mode()
 def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, split: str = "test",
                   max_tokens: int = 2048) -> dict:
     """Teacher-forced next-token accuracy of the causal head on the assistant tokens of `count` agent
     conversations of `split` (`clover.training.agent_data`, the training pool of tool names), by
     COPY_KINDS; each conversation cut at max_tokens. `words`: whole words copied from earlier in the
-    conversation (right when every token of the word is), in the same spelling or respelt (`_copied_words`)."""
+    conversation (right when every token of the word is), in the same spelling or respelt (`_copied_words`).
+    `unseen_names`: the same conversations with a name they copy made unknowable (`with_unseen_name`): its
+    copies in assistant turns, per token and per whole name."""
     from clover.training.agent_data import training_tasks
     from clover.training.data import chat_example
 
@@ -272,11 +304,26 @@ def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, spl
     total = dict.fromkeys(COPY_KINDS, 0)
     words = {k: [0, 0] for k in ("same_spelling", "respelt")}   # right, total
     markup = frozenset(_WORD.findall(tok.chat_template)) | {w for t in tok.special_ids for w in _WORD.findall(t)}
-    for task in training_tasks(split, count):
-        ids, mask = chat_example(tok, task.messages, task.tools, task.thinking)
+    names = [0, 0, 0, 0]   # whole names right, names, tokens right, tokens
+    rng = random.Random(0)
+
+    def predicted(messages: list[dict], task: Task) -> tuple[list[int], list[int], list[str], list[bool]]:
+        ids, mask = chat_example(tok, messages, task.tools, task.thinking)
         ids, mask = ids[:max_tokens], mask[:max_tokens]
         pred = model(torch.tensor([ids], device=model.device))[0].argmax(-1).tolist()
-        pieces, scored = [tok.decode([t]) for t in ids], [bool(m) and i > 0 for i, m in enumerate(mask)]
+        return ids, pred, [tok.decode([t]) for t in ids], [bool(m) and i > 0 for i, m in enumerate(mask)]
+
+    for task in training_tasks(split, count):
+        renamed = with_unseen_name(task.messages, rng)
+        if renamed is not None:
+            ids, pred, pieces, scored = predicted(renamed[0], task)
+            owner = [i for i, piece in enumerate(pieces) for _ in piece]
+            for m in re.finditer(rf"(?<![A-Za-z0-9_]){renamed[1]}(?![A-Za-z0-9_])", "".join(pieces)):
+                toks = sorted(set(owner[m.start():m.end()]))
+                if all(scored[t] for t in toks):
+                    ok = [pred[t - 1] == ids[t] for t in toks]
+                    names = [names[0] + all(ok), names[1] + 1, names[2] + sum(ok), names[3] + len(ok)]
+        ids, pred, pieces, scored = predicted(task.messages, task)
         for i, kind in enumerate(_token_kinds(pieces, scored)):
             if kind is not None:
                 total[kind] += 1
@@ -288,7 +335,9 @@ def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, spl
     return {"conversations": count, "split": split,
             "results": {k: {"accuracy": right[k] / total[k] if total[k] else None, "tokens": total[k]}
                         for k in COPY_KINDS},
-            "words": {k: {"accuracy": r / n if n else None, "words": n} for k, (r, n) in words.items()}}
+            "words": {k: {"accuracy": r / n if n else None, "words": n} for k, (r, n) in words.items()},
+            "unseen_names": {"accuracy": names[0] / names[1] if names[1] else None, "names": names[1],
+                             "token_accuracy": names[2] / names[3] if names[3] else None, "tokens": names[3]}}
 
 
 REPEAT_KINDS = ("digits", "words", "names")
