@@ -292,6 +292,12 @@ def main() -> None:
             parent = (copy_ar or {}).get("results", {}).get(kind, {})
             lines.append(f"| {kind.replace('_', ' ')} | {r['tokens']} | {_fmt(parent.get('accuracy'))} | "
                          f"{_fmt(r['accuracy'])} |")
+        unseen = copy_final.get("unseen_names") or {}
+        if unseen.get("names"):
+            lines += ["", f"A name the conversation states and copies (a place, a country), replaced by a made-up one "
+                          f"the agent data never uses, so that only copying can write it: {unseen['accuracy']:.0%} of "
+                          f"{unseen['names']} names right, {unseen['token_accuracy']:.1%} of their {unseen['tokens']} "
+                          "tokens."]
     if turns:
         fams = ", ".join(f"{k} {v['exact']:.0%} of {v['turns']}" for k, v in turns["by_family"].items())
         lines += ["", f"Agent turns on validation seeds (`clover eval turns`): {turns['conversations']} conversations, "
