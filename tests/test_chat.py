@@ -337,3 +337,20 @@ def test_an_echoed_reasoning_field_is_kept_in_the_prompt(tokenizer):
                  MessageIn(role="assistant", content=None, tool_calls=call, **{field: "Call the tool."}),
                  MessageIn(role="tool", content="sunny", tool_call_id="c1")]
         assert "<think>\nCall the tool." in tokenizer.apply_chat_template(messages_from(items)), field
+
+
+def test_a_value_without_a_schema_stays_text_as_the_qwen3_parser_reads_it():
+    """An untyped parameter (`{}` or only a description), one the tool does not declare, or a call when no tools
+    were offered: the value is its text, as the template writes it and the Qwen3 reference parser (vLLM's
+    qwen3_coder) returns it; "42" became 42 and '{"a": 1}' an object. A schema without a type (anyOf) still
+    reads JSON; typed ones are typed."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "free": {}, "noted": {"description": "anything"}, "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        "n": {"type": "integer"}}}}}]
+    params = (("free", "42"), ("noted", '{"a": 1}'), ("either", "7"), ("n", "5"), ("extra", "true"))
+    call = "<tool_call>\n<function=f>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params) + \
+        "</function>\n</tool_call>"
+    out = parse_output(call, thinking=False, tools=tools)
+    assert out.tool_calls[0].arguments == {"free": "42", "noted": '{"a": 1}', "either": 7, "n": 5, "extra": "true"}
+    assert out.errors == ["f: unknown parameter 'extra'"]
+    assert parse_output(call, thinking=False).tool_calls[0].arguments == dict(params)   # no tools offered

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from clover.model.chat import ANNOTATIONS
+
 if TYPE_CHECKING:
     from clover.model.tokenizer import Tokenizer
 
@@ -328,8 +330,6 @@ def _lit(text: str) -> str:
     return json.dumps(text)   # a Lark string literal, written as a JSON string
 
 
-# JSON-schema keywords that say nothing about a value: a parameter with only these has no schema
-ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
 
 
 def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open_id: int, close_id: int,

@@ -205,8 +205,15 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>(?=\s*(?:<parameter=|$))", re.S)
 
 
+# JSON-schema keywords that say nothing about a value: a parameter with only these has no schema (its value is
+# text, as the template writes it and as the Qwen3 reference parser reads a parameter without a type)
+ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
+
+
 def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
-    kind = (schema or {}).get("type")
+    if not isinstance(schema, dict) or set(schema) <= ANNOTATIONS:   # no schema, or not a parameter of the tool
+        return value, None
+    kind = schema.get("type")
     kinds = kind if isinstance(kind, list) else [kind]
     if "string" in kinds and len(kinds) > 1:   # e.g. ["string", "null"]: a JSON value of another allowed
         try:                                    # type, or a JSON string, is read as JSON; else it is the text
@@ -218,7 +225,7 @@ def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
         return value, None
     if "string" in kinds:
         return value, None
-    if kind is None:  # no schema: JSON if it parses, else the text
+    if kind is None:  # a schema without a type (anyOf, enum, $ref...): JSON if it parses, else the text
         try:
             return json.loads(value), None
         except json.JSONDecodeError:
