@@ -346,11 +346,12 @@ def test_a_value_without_a_schema_stays_text_as_the_qwen3_parser_reads_it():
     reads JSON; typed ones are typed."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "free": {}, "noted": {"description": "anything"}, "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
-        "n": {"type": "integer"}}}}}]
-    params = (("free", "42"), ("noted", '{"a": 1}'), ("either", "7"), ("n", "5"), ("extra", "true"))
+        "n": {"type": "integer"}, "level": {"enum": ["1", "2"]}}}}}]
+    params = (("free", "42"), ("noted", '{"a": 1}'), ("either", "7"), ("n", "5"), ("level", "1"), ("extra", "true"))
     call = "<tool_call>\n<function=f>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params) + \
         "</function>\n</tool_call>"
     out = parse_output(call, thinking=False, tools=tools)
-    assert out.tool_calls[0].arguments == {"free": "42", "noted": '{"a": 1}', "either": 7, "n": 5, "extra": "true"}
+    assert out.tool_calls[0].arguments == {"free": "42", "noted": '{"a": 1}', "either": 7, "n": 5, "level": "1",
+                                           "extra": "true"}   # (a string enum is written raw by the grammar)
     assert out.errors == ["f: unknown parameter 'extra'"]
     assert parse_output(call, thinking=False).tool_calls[0].arguments == dict(params)   # no tools offered

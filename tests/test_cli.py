@@ -196,6 +196,13 @@ def test_a_reply_that_fails_is_said_once_and_fails_the_command(text_model, tmp_p
     assert gen.stderr.count(message) == 1 and "request req-" not in gen.stderr
     plain = _run("generate", "hello", "--model", str(broken), "--max-new-tokens", "4")
     assert plain.returncode == 1 and plain.stderr.count(message) == 1 and "finish: error" in plain.stderr
+    # only the engine's own request log is silenced: a grammar warning still reaches the user (a review found it
+    # hidden by the first version, which silenced every "clover.engine" logger)
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/nope"}}}}}]))
+    warned = _run("generate", "hi", "--chat", "--tools", str(tools), "--model", text_model, "--max-new-tokens", "2")
+    assert warned.returncode == 0 and "tool calls not held to their schemas" in warned.stderr
 
 
 def test_generate_reads_standard_input_as_utf8_and_says_so_when_it_is_not(text_model):

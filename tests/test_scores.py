@@ -180,10 +180,13 @@ def test_unseen_name_replaces_a_stated_and_copied_name_everywhere_and_nothing_el
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"type": "function", "function": {"name": "capital_of", "arguments": {"country": "Kaqua"}}}]},
                 {"role": "tool", "content": "Othru"},
-                {"role": "assistant", "content": "The capital of Kaqua is Othru. Kaquan food is good."}]
+                {"role": "assistant", "content": "The capital of Kaqua is Othru. Kaquan food is good.\nKaqua: done",
+                 "tool_calls": [{"type": "function", "function": {"name": "note", "arguments": {"Kaqua": 1}}}]}]
     renamed, name = scores.with_unseen_name(messages, random.Random(0))
     text = str(renamed)
-    assert "Kaqua" not in text.replace("Kaquan", "") and text.count(name) == 4 and "Kaquan" in text
+    # every string (also after a new line, which JSON text spells \n), never a key
+    assert "Kaqua" not in text.replace("Kaquan", "").replace("'Kaqua': 1", "") and text.count(name) == 5
+    assert "Kaquan" in text and renamed[3]["tool_calls"][0]["function"]["arguments"] == {"Kaqua": 1}
     assert name[0].isupper() and "Othru" in text and "What" in text and "Answer" in text
     # a name the assistant never repeats, or one that opens a sentence, is not a copy
     assert scores.with_unseen_name(messages[:1] + [{"role": "assistant", "content": "Othru."}], random.Random(0)) is None

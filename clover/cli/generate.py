@@ -43,9 +43,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> Loaded:
-    # a failed request's error is the command's to print, once, as one line (the engine logs it for servers,
-    # through Python's last-resort handler here, and an unexpected one with its traceback)
-    logging.getLogger("clover.engine").addHandler(logging.NullHandler())
+    # a failed request's error is the command's to print, once, as one line: the engine module logs it for
+    # servers (here through Python's last-resort handler, an unexpected one with its traceback). Only that module:
+    # the structured-output warnings ("clover.engine", e.g. tool calls not held to their schemas) still show.
+    logging.getLogger("clover.engine.engine").addHandler(logging.NullHandler())
     loaded = load_for_generation(args.model, args.dtype, args.device)
     if args.compile:   # the passes compile on first use (the engine's warm_up would build every policy's)
         dim, reset = _dimmed(sys.stderr)

@@ -214,6 +214,9 @@ def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
     if not isinstance(schema, dict) or set(schema) <= ANNOTATIONS:   # no schema, or not a parameter of the tool
         return value, None
     kind = schema.get("type")
+    enum = schema.get("enum")
+    if kind is None and isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        return value, None   # a string enum without a type: written raw by the grammar, so text
     kinds = kind if isinstance(kind, list) else [kind]
     if "string" in kinds and len(kinds) > 1:   # e.g. ["string", "null"]: a JSON value of another allowed
         try:                                    # type, or a JSON string, is read as JSON; else it is the text

@@ -265,27 +265,50 @@ def _copied_words(pieces: list[str], scored: list[bool], markup: frozenset[str] 
 _NAMED = re.compile(r"(?<=[a-z,] )[A-Z][a-z]{3,}(?![A-Za-z0-9_])")   # a capitalised word inside a sentence
 
 
+def _strings(x: object) -> list[str]:
+    """Every string value (not key) inside a message structure."""
+    if isinstance(x, str):
+        return [x]
+    if isinstance(x, dict):
+        return [s for v in x.values() for s in _strings(v)]
+    if isinstance(x, list):
+        return [s for v in x for s in _strings(v)]
+    return []
+
+
+def _renamed(x: object, word: re.Pattern, new: str) -> object:
+    """The structure with `word` replaced by `new` in every string value (keys and other values unchanged)."""
+    if isinstance(x, str):
+        return word.sub(new, x)
+    if isinstance(x, dict):
+        return {k: _renamed(v, word, new) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_renamed(v, word, new) for v in x]
+    return x
+
+
 def with_unseen_name(messages: list[dict], rng: random.Random) -> tuple[list[dict], str] | None:
     """The conversation with one name that its last user message states inside a sentence and an assistant turn
-    repeats (a place, a country: `Kaqua`) replaced everywhere by a made-up name of `recall_data.wide_name`'s
-    1,792 syllables, which the agent data never uses; None when there is no such name. The generator's own names
-    come from 16 syllables, so a model can write them from its prior over those pairs without copying; a name
-    it has never seen can only be copied."""
-    import json
-
+    repeats (a place, a country: `Kaqua`) replaced in every string of it by a made-up name of
+    `recall_data.wide_name`'s 1,792 syllables (the agent data draws its names from 16), which the model cannot
+    have met as a whole; None when there is no such name. The generator's own names repeat across conversations,
+    so a model can write them from memory without copying; a name it has never seen can only be copied."""
     from clover.training.recall_data import wide_name
 
+    def word(name: str) -> re.Pattern:
+        return re.compile(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])")
+
     users = [m for m in messages if m["role"] == "user"]
-    said = json.dumps([m for m in messages if m["role"] == "assistant"])
+    said = _strings([m for m in messages if m["role"] == "assistant"])
     names = sorted({m.group() for m in _NAMED.finditer(users[-1].get("content") or "" if users else "")
-                    if re.search(rf"(?<![A-Za-z0-9_]){m.group()}(?![A-Za-z0-9_])", said)})
+                    if any(word(m.group()).search(text) for text in said)})
     if not names:
         return None
-    text = json.dumps(messages)
+    every = "\n".join(_strings(messages))
     new = wide_name(rng).capitalize()
-    while new in text:
+    while new in every:
         new = wide_name(rng).capitalize()
-    return json.loads(re.sub(rf"(?<![A-Za-z0-9_]){names[0]}(?![A-Za-z0-9_])", new, text)), new
+    return _renamed(messages, word(names[0]), new), new
 
 
 @torch.inference_mode()
