@@ -333,8 +333,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         prompt = tok.apply_chat_template(system + messages, enable_thinking=thinking)
         try:
-            result, content, error = _print_turn(engine, tok, tok.encode_chat(system + messages, enable_thinking=thinking),
-                                          params, thinking)
+            result, content, error = _print_turn(
+                engine, tok, tok.encode_chat(system + messages, enable_thinking=thinking), params, thinking)
         except ValueError as exc:  # e.g. the conversation outgrew the context
             messages.pop()
             failed += 1

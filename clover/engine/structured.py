@@ -330,8 +330,6 @@ def _lit(text: str) -> str:
     return json.dumps(text)   # a Lark string literal, written as a JSON string
 
 
-
-
 def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open_id: int, close_id: int,
                       opened: bool = True) -> str:
     """A Lark grammar (llguidance) for a tool call after its start: the parameters of `named` (whose

@@ -341,7 +341,7 @@ def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, spl
         if renamed is not None:
             ids, pred, pieces, scored = predicted(renamed[0], task)
             owner = [i for i, piece in enumerate(pieces) for _ in piece]
-            for m in re.finditer(rf"(?<![A-Za-z0-9_]){renamed[1]}(?![A-Za-z0-9_])", "".join(pieces)):
+            for m in re.finditer(rf"(?<![A-Za-z0-9_]){re.escape(renamed[1])}(?![A-Za-z0-9_])", "".join(pieces)):
                 toks = sorted(set(owner[m.start():m.end()]))
                 if all(scored[t] for t in toks):
                     ok = [pred[t - 1] == ids[t] for t in toks]
