@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from clover.model.chat import ANNOTATIONS
+from clover.model.chat import ANNOTATIONS, string_enum
 
 if TYPE_CHECKING:
     from clover.model.tokenizer import Tokenizer
@@ -351,11 +351,10 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
         parts = []
         for i, name in enumerate(props):
             value_schema = props[name] if isinstance(props[name], dict) else {}
-            enum = value_schema.get("enum")
             kind = value_schema.get("type")
             tail = _lit(NL + "</parameter>" + NL)
-            if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
-                value = "(" + " | ".join(_lit(e) for e in enum) + ")"      # written raw, as strings are
+            if string_enum(value_schema):
+                value = "(" + " | ".join(_lit(e) for e in value_schema["enum"]) + ")"      # written raw, as strings are
             elif kind == "string" or (isinstance(kind, list) and "string" in kind) or set(value_schema) <= ANNOTATIONS:
                 # shortest match: the value ends at the first "\n</parameter>\n", which the lexeme takes too
                 value, tail = f"string_{k}_{i}", ""

@@ -210,12 +210,17 @@ _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>(?=\s*(?:<para
 ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
 
 
+def string_enum(schema: dict) -> bool:
+    """Whether a parameter's schema is an enum of strings: its values are written raw, as strings are."""
+    enum = schema.get("enum")
+    return isinstance(enum, list) and bool(enum) and all(isinstance(e, str) for e in enum)
+
+
 def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
     if not isinstance(schema, dict) or set(schema) <= ANNOTATIONS:   # no schema, or not a parameter of the tool
         return value, None
     kind = schema.get("type")
-    enum = schema.get("enum")
-    if kind is None and isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+    if kind is None and string_enum(schema):
         return value, None   # a string enum without a type: written raw by the grammar, so text
     kinds = kind if isinstance(kind, list) else [kind]
     if "string" in kinds and len(kinds) > 1:   # e.g. ["string", "null"]: a JSON value of another allowed

@@ -265,6 +265,11 @@ def _copied_words(pieces: list[str], scored: list[bool], markup: frozenset[str] 
 _NAMED = re.compile(r"(?<=[a-z,] )[A-Z][a-z]{3,}(?![A-Za-z0-9_])")   # a capitalised word inside a sentence
 
 
+def _whole_word(text: str) -> re.Pattern:
+    """`text` where it stands as a whole word (no letter, digit or underscore on either side)."""
+    return re.compile(rf"(?<![A-Za-z0-9_]){re.escape(text)}(?![A-Za-z0-9_])")
+
+
 def _strings(x: object) -> list[str]:
     """Every string value (not key) inside a message structure."""
     if isinstance(x, str):
@@ -295,20 +300,17 @@ def with_unseen_name(messages: list[dict], rng: random.Random) -> tuple[list[dic
     so a model can write them from memory without copying; a name it has never seen can only be copied."""
     from clover.training.recall_data import wide_name
 
-    def word(name: str) -> re.Pattern:
-        return re.compile(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])")
-
     users = [m for m in messages if m["role"] == "user"]
     said = _strings([m for m in messages if m["role"] == "assistant"])
     names = sorted({m.group() for m in _NAMED.finditer(users[-1].get("content") or "" if users else "")
-                    if any(word(m.group()).search(text) for text in said)})
+                    if any(_whole_word(m.group()).search(text) for text in said)})
     if not names:
         return None
     every = "\n".join(_strings(messages))
     new = wide_name(rng).capitalize()
     while new in every:
         new = wide_name(rng).capitalize()
-    return _renamed(messages, word(names[0]), new), new
+    return _renamed(messages, _whole_word(names[0]), new), new
 
 
 @torch.inference_mode()
@@ -341,7 +343,7 @@ def copy_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 64, spl
         if renamed is not None:
             ids, pred, pieces, scored = predicted(renamed[0], task)
             owner = [i for i, piece in enumerate(pieces) for _ in piece]
-            for m in re.finditer(rf"(?<![A-Za-z0-9_]){re.escape(renamed[1])}(?![A-Za-z0-9_])", "".join(pieces)):
+            for m in _whole_word(renamed[1]).finditer("".join(pieces)):
                 toks = sorted(set(owner[m.start():m.end()]))
                 if all(scored[t] for t in toks):
                     ok = [pred[t - 1] == ids[t] for t in toks]
