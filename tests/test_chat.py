@@ -106,7 +106,10 @@ def test_render_then_parse_round_trips(tokenizer):
 def test_incremental_parser_equals_one_shot_at_every_split(tokenizer):
     texts = [_assistant_output(tokenizer), "  Plain answer with <b>tags</b> and < signs.  ", "unfinished thought </thi",
              "a</think>\n\nb<tool_call>\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n</function>\n",
-             "x <tool_call>\nnot a call\n</tool_call> y <tool_call>\n<function=get_weather>\n</function>\n</tool_call>"]
+             "x <tool_call>\nnot a call\n</tool_call> y <tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
+             "<tool_call>\n<function=get_weather>\n<parameter=city>\na</tool_call>b\n</parameter>\n</function>\n</tool_call>z",
+             "<tool_call>\n<function=f>\n</function>\njunk</tool_call> y <tool_call>\n<function=get_weather>\n</function>\n"
+             "</tool_call>"]
     for text in texts:
         for thinking in (True, False):
             whole = parse_output(text, thinking=thinking, tools=TOOLS)
@@ -219,13 +222,23 @@ def test_message_text_cannot_forge_a_turn_or_insert_a_mask():
 
 def test_parameter_values_may_hold_the_closing_tag_text():
     """A value ends at the "</parameter>" that closes it (before the next parameter or the call's end), as
-    the tool-call grammar reads it: the same text inside a value stays in the value."""
+    the tool-call grammar reads it: the same text inside a value stays in the value, and so does
+    "</tool_call>" text."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "opts": {"type": "object"}}}}}]
     text = ("<tool_call>\n<function=f>\n<parameter=city>\na</parameter>b\n</parameter>\n"
             "<parameter=opts>\n{\"k\": \"x</parameter>\"}\n</parameter>\n</function>\n</tool_call>")
     out = parse_output(text, thinking=False, tools=tools)
     assert out.errors == [] and out.tool_calls[0].arguments == {"city": "a</parameter>b", "opts": {"k": "x</parameter>"}}
+    # "</tool_call>" text in a value (a file that holds tool-call markup) does not end the call there
+    code = 'print("</tool_call>")\nend = "</function>\\n</tool_call>"'
+    text = f"a<tool_call>\n<function=f>\n<parameter=city>\n{code}\n</parameter>\n</function>\n</tool_call>b"
+    out = parse_output(text, thinking=False, tools=tools)
+    assert out.errors == [] and out.content == "ab" and out.tool_calls[0].arguments == {"city": code}
+    # but a call already closed before it keeps the first close: what follows is not swallowed into its values
+    junk = "<tool_call>\n<function=f>\n</function>\njunk</tool_call> x <tool_call>\n<function=f>\n</function>\n</tool_call>"
+    out = parse_output(junk, thinking=False, tools=tools)
+    assert [c.name for c in out.tool_calls] == ["f"] and out.content.endswith(" x") and "malformed" in out.errors[0]
     lenient = "<tool_call>\n<function=f>\n<parameter=city>Paris</parameter><parameter=opts>{}</parameter></function></tool_call>"
     assert parse_output(lenient, thinking=False, tools=tools).tool_calls[0].arguments == {"city": "Paris", "opts": {}}
 

@@ -200,6 +200,7 @@ class ParsedOutput:
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+_FUNCTION_HEAD = re.compile(r"\s*<function=[^>\n]+>")
 # a value ends at a "</parameter>" that closes it: one followed by the next parameter or the call's end (the
 # template writes "\n</parameter>\n"), so the same text inside a value stays in it, as the grammar reads it
 _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>(?=\s*(?:<parameter=|$))", re.S)
@@ -277,6 +278,23 @@ def parse_tool_call(body: str, tools: list[dict] | None) -> tuple[ToolCall | Non
     return ToolCall(name, args), errors
 
 
+def _call_end(text: str, body: int, final: bool) -> int:
+    """Where the call whose body starts at `body` is closed: at the first `</tool_call>`, unless the body up to
+    it opens a function but does not close it there. Then that `</tool_call>` may be text inside one of its
+    values (a file's content, a string): the call ends at a later `</tool_call>` that closes the function with
+    the first one inside a parameter's value. -1 while that may still come; once the text is final and none
+    came, the first one (a malformed call, as before)."""
+    first = text.find(CALL_CLOSE, body)
+    if first < 0 or _FUNCTION.fullmatch(text, body, first) or not _FUNCTION_HEAD.match(text, body):
+        return first
+    end = first
+    while (end := text.find(CALL_CLOSE, end + len(CALL_CLOSE))) >= 0:
+        m = _FUNCTION.fullmatch(text, body, end)
+        if m and any(p.start(2) <= first < p.end(2) for p in _PARAM.finditer(text, m.start(2), m.end(2))):
+            return end
+    return first if final else -1
+
+
 def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of one of `tags`."""
     best = 0
@@ -317,7 +335,7 @@ def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool, call
             parts.append(tail)
             break
         parts.append(rest[:start])
-        end = rest.find(CALL_CLOSE, start)
+        end = _call_end(rest, start + len(CALL_OPEN), final)
         if end < 0:
             if final:   # cut short (max_tokens): the text stays in the content, as vLLM's parsers leave it
                 errors.append(f"unterminated tool call: {rest[start:]!r:.80}")
