@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from clover.engine.sampling import SEED_BOUND
+
 
 def _number(text: str, kind: type, ok: Callable[[Any], bool], rule: str) -> Any:
     """`text` as an int or float that passes `ok`, else a usage error saying `rule`."""
@@ -33,7 +35,7 @@ def nonnegative_int(text: str) -> int:
 
 
 def seed(text: str) -> int:
-    return _number(text, int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
+    return _number(text, int, lambda v: 0 <= v < SEED_BOUND, "an integer in [0, 2**63)")
 
 
 def port(text: str) -> int:

@@ -26,6 +26,7 @@ import torch
 from clover.engine.policies import POLICIES, Policy
 from clover.engine.prefix_cache import PrefixStore, block_keys
 from clover.engine.sampling import (
+    SEED_BOUND,
     InvalidParameter,
     NoTokenAllowed,
     SamplingParams,
@@ -106,7 +107,7 @@ class Engine:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
             matcher, pending = self._grammars.start(params.constraint)   # GrammarError (a ValueError) if it does not compile
-        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_BOUND)
         if self.cache is None:   # idle (no cache held): the model may have moved since the last request
             self.device = self.model.device
         self.waiting.append(SequenceState(

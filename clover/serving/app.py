@@ -34,7 +34,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from clover.engine.engine import Engine, GenerationResult
-from clover.engine.sampling import LOGPROB_ALGORITHMS, MAX_LOGPROBS, InvalidParameter, SamplingParams, TokenLogprob
+from clover.engine.sampling import (
+    LOGPROB_ALGORITHMS,
+    MAX_LOGPROBS,
+    SEED_BOUND,
+    InvalidParameter,
+    SamplingParams,
+    TokenLogprob,
+)
 from clover.engine.structured import Constraint
 from clover.model.chat import ChatFormatError, OutputDelta, StreamingParser
 from clover.model.config import GenerationConfig
@@ -376,7 +383,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     def _n_params(params: SamplingParams, n: int) -> list[SamplingParams]:
         if n == 1:
             return [params]
-        return [params.with_(seed=None if params.seed is None else (params.seed + i) % 2**63) for i in range(n)]
+        return [params.with_(seed=None if params.seed is None else (params.seed + i) % SEED_BOUND) for i in range(n)]
 
     def _start_error(exc: BaseException) -> APIError:
         """The HTTP error of a request's failure (at its start, or later in a reply sent whole or streamed)."""
