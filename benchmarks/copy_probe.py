@@ -30,9 +30,9 @@ from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.training.trainer import TrainConfig
 
 
-def copy_rows(batch: int, length: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
-    """[batch, 2 * length + 2] rows SEP x SEP x; x from tokens 100 .. 100 + vocab, SEP = 50."""
-    x = torch.randint(100, 100 + vocab, (batch, length), generator=gen)
+def copy_rows(batch: int, length: int, vocab: int, gen: torch.Generator, first: int = 100) -> torch.Tensor:
+    """[batch, 2 * length + 2] rows SEP x SEP x; x from tokens first .. first + vocab, SEP = 50."""
+    x = torch.randint(first, first + vocab, (batch, length), generator=gen)
     sep = torch.full((batch, 1), 50)
     return torch.cat([sep, x, sep, x], dim=1)
 
@@ -47,13 +47,18 @@ def row_losses(model: CloverForCausalLM, ids: torch.Tensor) -> tuple[torch.Tenso
 
 
 def probe(layout: str, seed: int, args: argparse.Namespace) -> dict:
-    cfg = CloverConfig.preset(args.preset, layer_types=layer_types_of(layout), num_hidden_layers=len(layout))
-    if 100 + args.vocab > cfg.vocab_size:
-        raise SystemExit(f"--vocab {args.vocab} does not fit the preset's vocabulary ({cfg.vocab_size})")
+    cfg = CloverConfig.preset(args.preset, layer_types=layer_types_of(layout), num_hidden_layers=len(layout),
+                              tie_word_embeddings=args.tie)
+    if 100 + args.vocab + args.unseen > cfg.vocab_size:
+        raise SystemExit(f"--vocab {args.vocab} and --unseen {args.unseen} do not fit the preset's vocabulary "
+                         f"({cfg.vocab_size})")
     model = CloverForCausalLM.from_scratch(cfg, seed, args.gdn_gate_z, args.gdn_dt_max)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     train_gen = torch.Generator().manual_seed(seed)
     held_out = copy_rows(args.batch, args.length, args.vocab, torch.Generator().manual_seed(10_000 + seed))
+    # rows of tokens training never shows (ids after the training range): does the copy carry over to them?
+    unseen = copy_rows(args.batch, args.length, args.unseen, torch.Generator().manual_seed(20_000 + seed),
+                       first=100 + args.vocab) if args.unseen else None
     second = slice(args.length + 2, None)   # predictions of the second x after its first token
     curve, passed, t_train = [], None, 0.0
     for step in range(1, args.steps + 1):
@@ -66,9 +71,17 @@ def probe(layout: str, seed: int, args: argparse.Namespace) -> dict:
         if step % args.eval_every == 0 or step == args.steps:
             with torch.no_grad():
                 ce, logits = row_losses(model, held_out)
-            acc = float((logits[:, second].argmax(-1) == held_out[:, 1:][:, second]).float().mean())
-            curve.append({"step": step, "copy_accuracy": round(acc, 4), "copy_loss": round(float(ce[:, second].mean()), 4)})
-            print(f"{layout} seed {seed} step {step}: copy accuracy {acc:.3f}, copy loss {curve[-1]['copy_loss']:.3f}", flush=True)
+                acc = float((logits[:, second].argmax(-1) == held_out[:, 1:][:, second]).float().mean())
+                curve.append({"step": step, "copy_accuracy": round(acc, 4),
+                              "copy_loss": round(float(ce[:, second].mean()), 4)})
+                unseen_text = ""
+                if unseen is not None:
+                    _, logits = row_losses(model, unseen)
+                    curve[-1]["unseen_copy_accuracy"] = round(float(
+                        (logits[:, second].argmax(-1) == unseen[:, 1:][:, second]).float().mean()), 4)
+                    unseen_text = f", on unseen tokens {curve[-1]['unseen_copy_accuracy']:.3f}"
+            print(f"{layout} seed {seed} step {step}: copy accuracy {acc:.3f}, copy loss {curve[-1]['copy_loss']:.3f}"
+                  f"{unseen_text}", flush=True)
             if acc >= args.pass_at:
                 passed = step
                 break
@@ -95,6 +108,10 @@ def main() -> None:
     ap.add_argument("--gdn-dt-max", type=float, default=TrainConfig.gdn_dt_max,
                     help="GDN decay steps drawn log-uniform in [0.001, this] at init, as `clover train --gdn-dt-max` "
                          "does (default 0: the transformers-style dt_bias 1)")
+    ap.add_argument("--tie", action="store_true", help="tie the LM head to the token embeddings "
+                    "(tie_word_embeddings; the presets' default is untied, as the Qwen3.5-MoE family)")
+    ap.add_argument("--unseen", type=int, default=0, help="also report copy accuracy on rows of this many tokens "
+                    "that training never shows (a name the model cannot know)")
     ap.add_argument("--seeds", default="0", help="comma-separated: each layout is trained once per seed (weights "
                     "and rows); when induction forms varies from seed to seed")
     args = ap.parse_args()
@@ -103,7 +120,7 @@ def main() -> None:
     except ValueError as exc:
         raise SystemExit(f"copy_probe: {exc}") from None
     print(f"copy probe: preset {args.preset}, rows SEP x SEP x with |x| = {args.length} from {args.vocab} tokens, "
-          f"batch {args.batch}, AdamW lr {args.lr} constant, GDN gate z {args.gdn_gate_z} and decay steps up to {args.gdn_dt_max or 'transformers-style'} at init, at most {args.steps} steps, seeds {args.seeds}; "
+          f"{'tied' if args.tie else 'untied'} embeddings, batch {args.batch}, AdamW lr {args.lr} constant, GDN gate z {args.gdn_gate_z} and decay steps up to {args.gdn_dt_max or 'transformers-style'} at init, at most {args.steps} steps, seeds {args.seeds}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     layouts, seeds = args.layouts.split(","), [int(s) for s in args.seeds.split(",")]
     for layout in layouts:   # all checked before the first one trains
@@ -113,17 +130,18 @@ def main() -> None:
             raise SystemExit(str(exc)) from None
     results = [probe(layout, seed, args) for layout in layouts for seed in seeds]
     print(f"\n| layout | seeds passing {args.pass_at:.0%} copy accuracy | step it passed, per seed | final accuracy, per seed "
-          f"| tokens/s |")
-    print("|---|---|---|---|---|")
+          f"| on unseen tokens | tokens/s |")
+    print("|---|---|---|---|---|---|")
     for layout in layouts:
         rs = [r for r in results if r["layout"] == layout]
         at = ", ".join(str(r["passed_at_step"]) if r["passed_at_step"] is not None else "-" for r in rs)
         final = ", ".join(f"{r['final']['copy_accuracy']:.2f}" for r in rs)
         passed = sum(r["passed_at_step"] is not None for r in rs)
         speed = sum(r["train_tokens_per_s"] for r in rs) / len(rs)
-        print(f"| {layout} | {passed} of {len(rs)} | {at} | {final} | {speed:.0f} |")
+        unseen = ", ".join(f"{r['final'].get('unseen_copy_accuracy', float('nan')):.2f}" for r in rs)
+        print(f"| {layout} | {passed} of {len(rs)} | {at} | {final} | {unseen} | {speed:.0f} |")
     print(json.dumps({"benchmark": "copy_probe", "preset": args.preset, "steps": args.steps, "batch": args.batch,
-                      "length": args.length, "vocab": args.vocab, "lr": args.lr, "gdn_gate_z": args.gdn_gate_z, "gdn_dt_max": args.gdn_dt_max, "seeds": seeds,
+                      "length": args.length, "vocab": args.vocab, "unseen": args.unseen, "tie": args.tie, "lr": args.lr, "gdn_gate_z": args.gdn_gate_z, "gdn_dt_max": args.gdn_dt_max, "seeds": seeds,
                       "results": [{k: v for k, v in r.items() if k != "curve"} for r in results]}))
 
 
