@@ -63,7 +63,12 @@ def probe(layout: str, seed: int, args: argparse.Namespace) -> dict:
     curve, passed, t_train = [], None, 0.0
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        ce, _ = row_losses(model, copy_rows(args.batch, args.length, args.vocab, train_gen))
+        rows = copy_rows(args.batch, args.length, args.vocab, train_gen)
+        if args.unseen_noise:   # rows of the held-out tokens at random: trained on, never copied
+            noisy = torch.rand(args.batch, generator=train_gen) < args.unseen_noise
+            noise = torch.randint(100 + args.vocab, 100 + args.vocab + args.unseen, rows.shape, generator=train_gen)
+            rows = torch.where(noisy[:, None], noise, rows)
+        ce, _ = row_losses(model, rows)
         opt.zero_grad()
         ce.mean().backward()
         opt.step()
@@ -112,15 +117,21 @@ def main() -> None:
                     "(tie_word_embeddings; the presets' default is untied, as the Qwen3.5-MoE family)")
     ap.add_argument("--unseen", type=int, default=0, help="also report copy accuracy on rows of this many tokens "
                     "that training never shows (a name the model cannot know)")
+    ap.add_argument("--unseen-noise", type=float, default=0.0, help="share of training rows that are the --unseen "
+                    "tokens at random, without a repeat: then they are trained on, only never copied (as a name's "
+                    "pieces occur in text)")
     ap.add_argument("--seeds", default="0", help="comma-separated: each layout is trained once per seed (weights "
                     "and rows); when induction forms varies from seed to seed")
     args = ap.parse_args()
+    if not 0 <= args.unseen_noise < 1 or (args.unseen_noise and not args.unseen):
+        raise SystemExit("copy_probe: --unseen-noise is a share in [0, 1) of rows, and needs --unseen N")
     try:
         check_gdn_init(args.gdn_gate_z, args.gdn_dt_max)
     except ValueError as exc:
         raise SystemExit(f"copy_probe: {exc}") from None
     print(f"copy probe: preset {args.preset}, rows SEP x SEP x with |x| = {args.length} from {args.vocab} tokens, "
-          f"{'tied' if args.tie else 'untied'} embeddings, batch {args.batch}, AdamW lr {args.lr} constant, GDN gate z {args.gdn_gate_z} and decay steps up to {args.gdn_dt_max or 'transformers-style'} at init, at most {args.steps} steps, seeds {args.seeds}; "
+          f"{'tied' if args.tie else 'untied'} embeddings, held-out tokens {args.unseen} (in {args.unseen_noise:.0%} of the "
+          f"rows, uncopied), batch {args.batch}, AdamW lr {args.lr} constant, GDN gate z {args.gdn_gate_z} and decay steps up to {args.gdn_dt_max or 'transformers-style'} at init, at most {args.steps} steps, seeds {args.seeds}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     layouts, seeds = args.layouts.split(","), [int(s) for s in args.seeds.split(",")]
     for layout in layouts:   # all checked before the first one trains
@@ -141,7 +152,7 @@ def main() -> None:
         unseen = ", ".join(f"{r['final'].get('unseen_copy_accuracy', float('nan')):.2f}" for r in rs)
         print(f"| {layout} | {passed} of {len(rs)} | {at} | {final} | {unseen} | {speed:.0f} |")
     print(json.dumps({"benchmark": "copy_probe", "preset": args.preset, "steps": args.steps, "batch": args.batch,
-                      "length": args.length, "vocab": args.vocab, "unseen": args.unseen, "tie": args.tie, "lr": args.lr, "gdn_gate_z": args.gdn_gate_z, "gdn_dt_max": args.gdn_dt_max, "seeds": seeds,
+                      "length": args.length, "vocab": args.vocab, "unseen": args.unseen, "unseen_noise": args.unseen_noise, "tie": args.tie, "lr": args.lr, "gdn_gate_z": args.gdn_gate_z, "gdn_dt_max": args.gdn_dt_max, "seeds": seeds,
                       "results": [{k: v for k, v in r.items() if k != "curve"} for r in results]}))
 
 
