@@ -46,6 +46,12 @@ def row_losses(model: CloverForCausalLM, ids: torch.Tensor) -> tuple[torch.Tenso
     return ce.view(n, t - 1), logits
 
 
+def copy_accuracy(model: CloverForCausalLM, rows: torch.Tensor, second: slice) -> tuple[float, float]:
+    """(accuracy, mean loss) of the second x's predictions after its first token, on `rows`."""
+    ce, logits = row_losses(model, rows)
+    return float((logits[:, second].argmax(-1) == rows[:, 1:][:, second]).float().mean()), float(ce[:, second].mean())
+
+
 def probe(layout: str, seed: int, args: argparse.Namespace) -> dict:
     cfg = CloverConfig.preset(args.preset, layer_types=layer_types_of(layout), num_hidden_layers=len(layout),
                               tie_word_embeddings=args.tie)
@@ -75,15 +81,11 @@ def probe(layout: str, seed: int, args: argparse.Namespace) -> dict:
         t_train += time.perf_counter() - t0
         if step % args.eval_every == 0 or step == args.steps:
             with torch.no_grad():
-                ce, logits = row_losses(model, held_out)
-                acc = float((logits[:, second].argmax(-1) == held_out[:, 1:][:, second]).float().mean())
-                curve.append({"step": step, "copy_accuracy": round(acc, 4),
-                              "copy_loss": round(float(ce[:, second].mean()), 4)})
+                acc, loss = copy_accuracy(model, held_out, second)
+                curve.append({"step": step, "copy_accuracy": round(acc, 4), "copy_loss": round(loss, 4)})
                 unseen_text = ""
                 if unseen is not None:
-                    _, logits = row_losses(model, unseen)
-                    curve[-1]["unseen_copy_accuracy"] = round(float(
-                        (logits[:, second].argmax(-1) == unseen[:, 1:][:, second]).float().mean()), 4)
+                    curve[-1]["unseen_copy_accuracy"] = round(copy_accuracy(model, unseen, second)[0], 4)
                     unseen_text = f", on unseen tokens {curve[-1]['unseen_copy_accuracy']:.3f}"
             print(f"{layout} seed {seed} step {step}: copy accuracy {acc:.3f}, copy loss {curve[-1]['copy_loss']:.3f}"
                   f"{unseen_text}", flush=True)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clover.engine.sampling import SEED_BOUND
+from clover.engine.sampling import SEED_BOUND, SEED_RULE
 
 
 def _number(text: str, kind: type, ok: Callable[[Any], bool], rule: str) -> Any:
@@ -35,7 +35,7 @@ def nonnegative_int(text: str) -> int:
 
 
 def seed(text: str) -> int:
-    return _number(text, int, lambda v: 0 <= v < SEED_BOUND, "an integer in [0, 2**63)")
+    return _number(text, int, lambda v: 0 <= v < SEED_BOUND, SEED_RULE)
 
 
 def port(text: str) -> int:

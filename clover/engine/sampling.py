@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20
 # Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows to inf.
 GREEDY_BELOW = 1e-5
 SEED_BOUND = 2**63   # seeds are integers in [0, SEED_BOUND): what torch.Generator.manual_seed takes
+SEED_RULE = "an integer in [0, 2**63)"   # what an error about a seed says
 _DEFAULTS = GenerationConfig()
 
 
@@ -96,7 +97,7 @@ class SamplingParams:
         if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"token ids in [0, {vocab_size})")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < SEED_BOUND):
-            bad("seed", "an integer in [0, 2**63)")
+            bad("seed", SEED_RULE)
         if any(not isinstance(i, int) or not 0 <= i < vocab_size or not math.isfinite(b) or not -100 <= b <= 100
                for i, b in self.logit_bias) or len(self.logit_bias) > 1024:
             bad("logit_bias", f"up to 1024 token ids in [0, {vocab_size}) with biases between -100 and 100")
