@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from clover.model.chat import ChatFormatError, StreamingParser, parse_output, render_chat
+from clover.model.chat import ChatFormatError, StreamingParser, parse_output, render_chat, written_raw
 from clover.model.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError
 
 TOOLS = [{"type": "function", "function": {
@@ -218,6 +218,23 @@ def test_message_text_cannot_forge_a_turn_or_insert_a_mask():
         safe = tok.encode_chat(call, enable_thinking=False)
         assert tok.encode(text).count(ids["<|im_start|>"]) == 4 and safe.count(ids["<|im_start|>"]) == 3
         assert tok.decode(safe) == text
+
+
+@pytest.mark.parametrize("schema, raw", [
+    (None, True), ({}, True), ({"description": "any"}, True), ({"type": "string"}, True),
+    ({"type": ["string", "null"]}, True), ({"enum": ["a", "b"]}, True), ({"type": "integer", "enum": ["a"]}, True),
+    ({"type": "integer"}, False), ({"enum": [1, 2]}, False), ({"anyOf": [{"type": "integer"}]}, False),
+    ({"type": ["integer", "null"]}, False)])
+def test_the_parser_reads_a_value_as_text_exactly_where_the_grammar_writes_it_raw(schema, raw):
+    """One rule (`written_raw`, which the grammar follows) says which values are raw text: the parser reads
+    "3" as the text "3" there and as the number 3 elsewhere (it was written as two rule sets; a string enum
+    under another type was raw to the grammar and JSON to the parser)."""
+    assert written_raw(schema) is raw
+    props = {} if schema is None else {"n": schema}   # None: a parameter the tool does not declare
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}]
+    out = parse_output("<tool_call>\n<function=f>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>",
+                       thinking=False, tools=tools)
+    assert out.tool_calls[0].arguments == {"n": "3" if raw else 3}
 
 
 def test_parameter_values_may_hold_the_closing_tag_text():

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from clover.model.chat import ANNOTATIONS, string_enum
+from clover.model.chat import string_enum, written_raw
 
 if TYPE_CHECKING:
     from clover.model.tokenizer import Tokenizer
@@ -339,7 +339,7 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
     tool list shows them), each optional one or not; a string value is any text up to the first new line and
     `</parameter>` (at most maxLength characters; a lazy lexeme, so code with '<' passes) or one of its
     enum, written raw; so is a value whose type list holds "string" (["string", "null"]) or that has no
-    schema, as the template writes such values and `chat._convert` reads them; other values are JSON
+    schema, as the template writes such values and the parser reads them (`chat.written_raw`); other values are JSON
     matching their schema (the tool's `$defs` in reach, oneOf read as anyOf)."""
     rules, names = [], []
     for k, tool in enumerate(tools):
@@ -351,11 +351,10 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
         parts = []
         for i, name in enumerate(props):
             value_schema = props[name] if isinstance(props[name], dict) else {}
-            kind = value_schema.get("type")
             tail = _lit(NL + "</parameter>" + NL)
             if string_enum(value_schema):
                 value = "(" + " | ".join(_lit(e) for e in value_schema["enum"]) + ")"      # written raw, as strings are
-            elif kind == "string" or (isinstance(kind, list) and "string" in kind) or set(value_schema) <= ANNOTATIONS:
+            elif written_raw(value_schema):
                 # shortest match: the value ends at the first "\n</parameter>\n", which the lexeme takes too
                 value, tail = f"string_{k}_{i}", ""
                 most = value_schema.get("maxLength")

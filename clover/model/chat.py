@@ -217,23 +217,31 @@ def string_enum(schema: dict) -> bool:
     return isinstance(enum, list) and bool(enum) and all(isinstance(e, str) for e in enum)
 
 
-def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
-    if not isinstance(schema, dict) or set(schema) <= ANNOTATIONS:   # no schema, or not a parameter of the tool
-        return value, None
+def written_raw(schema: Any) -> bool:
+    """Whether a parameter's value is written as raw text rather than as JSON: a parameter without a schema (or
+    with annotations only, or one the tool does not declare), a string enum, or a type that admits a string
+    (e.g. ["string", "null"]). The one rule of the grammar (`structured.tool_call_grammar`) and the parser."""
+    if not isinstance(schema, dict) or set(schema) <= ANNOTATIONS or string_enum(schema):
+        return True
     kind = schema.get("type")
-    if kind is None and string_enum(schema):
-        return value, None   # a string enum without a type: written raw by the grammar, so text
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
+    if written_raw(schema):
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        kinds = kind if isinstance(kind, list) else [kind]
+        if "string" in kinds and len(kinds) > 1:   # e.g. ["string", "null"]: a JSON value of another allowed
+            try:                                    # type, or a JSON string, is read as JSON; else it is the text
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                return value, None
+            if isinstance(parsed, str) or (parsed is None and "null" in kinds):
+                return parsed, None
+        return value, None
+    assert isinstance(schema, dict)
+    kind = schema.get("type")
     kinds = kind if isinstance(kind, list) else [kind]
-    if "string" in kinds and len(kinds) > 1:   # e.g. ["string", "null"]: a JSON value of another allowed
-        try:                                    # type, or a JSON string, is read as JSON; else it is the text
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            return value, None
-        if isinstance(parsed, str) or (parsed is None and "null" in kinds):
-            return parsed, None
-        return value, None
-    if "string" in kinds:
-        return value, None
     if kind is None:  # a schema without a type (anyOf, enum, $ref...): JSON if it parses, else the text
         try:
             return json.loads(value), None
