@@ -293,6 +293,23 @@ def test_the_next_turn_reuses_a_verify_reply_drafted_from_its_context(model):
     assert got.stats.cached_tokens >= (len(turn1) + len(truth)) // 8 * 8 - 8
 
 
+@pytest.mark.parametrize("n", range(33, 41))
+def test_a_verify_reply_keeps_its_last_check_in_the_prefix_cache(model, n):
+    """A reply that finishes inside a check keeps that check's committed rows (pending tokens and drafts up to
+    max_tokens): every whole block of the turn and its reply is in the cache for the next one. (Found in
+    session 48: a finishing check kept nothing; at n = 35 the reply ends on a block boundary, and that block,
+    closed by the finishing check, was lost: 48 tokens reused, not 56.)"""
+    turn1 = _tokens(21, 4)
+    truth = Engine(model).generate([turn1], _params("ar", n))[0].token_ids
+    engine = Engine(model, prefix_cache_bytes=64 << 20, policies={"verify": _NoPreviews(truth)})
+    assert engine.generate([turn1], _params("verify", n))[0].token_ids == truth
+    turn2 = turn1 + truth + _tokens(9, 5)
+    got = engine.generate([turn2], _params("verify"))[0]
+    assert got.token_ids == Engine(model).generate([turn2], _params("verify"))[0].token_ids
+    # (here the drafts run to the reply's end, so its last token is a kept draft, a row of the last check)
+    assert got.stats.cached_tokens == (len(turn1) + n) // 8 * 8
+
+
 def test_move_row_carries_a_sequence_and_leaves_the_other_rows_alone(model):
     """`PrefixCache.move_row`: the moved row's committed K/V (up to its length), GDN state, ring and length,
     in its new row; the other rows untouched."""

@@ -562,6 +562,7 @@ class VerifyPolicy(_Blocks):
             p, m = pending[i], drafted[i]
             s.stats.check_forwards += 1
             s.stats.draft_checks += int(m > 0)
+            before = len(s.generated)
             with engine.isolated(s, events):
                 preds = logits[i, p - 1: p + m]              # row t predicts the slot after it
                 if s.verified + m == len(s.block):
@@ -571,8 +572,9 @@ class VerifyPolicy(_Blocks):
                 # (a block of one slot is full before its first check: the forward only commits)
                 counts[i] = p + (self._check(engine, s, preds, m, events, pick, sources[i], looked[i])
                                  if len(preds) else 0)
-            if s.finish_reason is not None:
-                counts[i] = 0                                # its row is freed
+            if s.finish_reason is not None:   # finished here: keep the rows of what it committed (pending, and
+                # drafts up to the stop or max_tokens: the reply's last whole block is then in the prefix cache)
+                counts[i] = min(counts[i], p + len(s.generated) - before)   # (0 when the check failed)
         if trail is not None:
             engine.keep(seqs, trail, counts)
         if key is not None:
