@@ -118,7 +118,7 @@ def prompt_sets(names: list[str], lengths: list[int], batch: int, model: CloverF
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint (default: the shipped model, else the tiny preset at random)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="random,code,agent", help="prompt sets: random, code, agent")

@@ -74,7 +74,7 @@ def _stream(client: httpx.Client, url: str, body: dict, abandon: bool) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint (default: the shipped model)")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60.0)

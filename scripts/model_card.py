@@ -17,11 +17,11 @@ release's record) or else from MODEL_DIR/training_record.json, and the card mark
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -101,10 +101,24 @@ def _refuse_unless_for(digest: str | None, made_for: str | None, what: str, how:
         raise SystemExit(f"{what} was written for weights {made_for or '(not said)'}, not these ({digest}): {how}")
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("runs", type=Path, metavar="RUNS_DIR", help="the recipe's runs and evaluation results")
+    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="the released weights; the card goes there")
+    p.add_argument("report", type=Path, nargs="?", default=Path("reports/agent-clover-tiny"),
+                   metavar="AGENT_REPORT_DIR", help="`clover eval agent`'s output (default: %(default)s)")
+    p.add_argument("sweep_path", type=Path, nargs="?", default=Path("runs/sweep/sweep.json"), metavar="SWEEP_JSON",
+                   help="`benchmarks/sweep.py`'s result (default: %(default)s)")
+    return p
+
+
 def main() -> None:
-    runs, model_dir = Path(sys.argv[1]), Path(sys.argv[2])
-    report = Path(sys.argv[3] if len(sys.argv) > 3 else "reports/agent-clover-tiny")
-    sweep_path = Path(sys.argv[4] if len(sys.argv) > 4 else "runs/sweep/sweep.json")
+    a = parser().parse_args()
+    runs, model_dir, report, sweep_path = a.runs, a.model_dir, a.report, a.sweep_path
+    if not model_dir.is_dir():
+        raise SystemExit(f"{model_dir}: not a directory (the released weights the card is written for)")
     load = lambda name: json.loads((runs / name).read_text()) if (runs / name).is_file() else None  # noqa: E731
     own = model_dir / "training_record.json"   # a card rewritten for the same weights reads their own record
     base = load("base_record.json") or (json.loads(own.read_text()) if own.is_file() else {})

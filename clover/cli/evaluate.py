@@ -191,7 +191,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="held-out evaluations of a model (bits per byte, continuation match, copying, agent tasks)")
     esub = p.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
     a = esub.add_parser(
-        "agent", help="agent workloads (tools, memory, coding, humaneval) against OpenAI-compatible endpoints",
+        "agent", help="agent workloads (suites synthetic, tools, memory, heldout, coding, humaneval) against "
+        "OpenAI-compatible endpoints",
         description="A fixed agent loop (same prompts, tools, timeouts, step limit and retry policy for every model) "
                     "over the OpenAI chat API with tools. Writes metadata, transcripts, results.jsonl, summary.json, "
                     "report.md and PNG plots to --out; --resume continues an interrupted run (same settings; --runs may "

@@ -393,8 +393,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server with continuous batching",
         description="Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, "
-                    "/health, /metrics. Extra body fields: algorithm, block_size, threshold, max_accept_per_step, "
-                    "top_k, repetition_penalty, ignore_eos, chat_template_kwargs.enable_thinking.",
+                    "/health, /metrics, /tokenize, /detokenize. Extra body fields: algorithm, block_size, threshold, "
+                    "max_accept_per_step, top_k, repetition_penalty, ignore_eos, min_tokens, constrain_tool_calls, "
+                    "chat_template_kwargs.enable_thinking.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  clover serve --port 8000\n"
                "  clover serve --model runs/my-model --host 0.0.0.0 --api-key $KEY --max-batch-size 16",
