@@ -693,7 +693,7 @@ def test_lookup_drafts_are_offered_to_greedy_requests_and_checked_where_they_are
     policy = VerifyPolicy(window=4)
     prompt = [3, 4, 5, 6, 3, 4]
     s = SequenceState(rid="x", prompt=prompt, params=SamplingParams(algorithm="verify"), block_size=3,
-                      generator=torch.Generator(), counts=torch.zeros(model.config.vocab_size), started=0.0)
+                      generator=torch.Generator(), counts=None, started=0.0)
     s.block = torch.zeros(3, dtype=torch.long)
     s.verified = 1
     assert policy.looked_up(s) == [5, 6]                  # 2 slots left in the block

@@ -104,7 +104,7 @@ class SequenceState:
     params: SamplingParams
     block_size: int
     generator: torch.Generator
-    counts: torch.Tensor | None                # [V] response-token counts for the penalties (None: it has none)
+    counts: torch.Tensor | None                # [2,V] the penalties' token counts (`sampling.new_counts`; None: none)
     started: float
     stats: GenerationStats = field(default_factory=GenerationStats)
     row: int = -1
@@ -119,7 +119,8 @@ class SequenceState:
     emitted: int = 0                           # tokens already emitted
     # incremental detokenisation: `decoded` is the text of generated[:read_offset] (whole characters);
     # `prefix_text` decodes generated[prefix_offset:read_offset]; `ends[i]` is len(decoded) after
-    # stable point i and `ends_at[i]` the token count there; stop strings were searched up to `searched`
+    # stable point i and `ends_at[i]` the token count there; stop strings were searched up to `searched`;
+    # `stop_tails[i]`: the longest tail of `decoded[:stop_tails_at]` that stop string i starts with
     decoded: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
@@ -127,6 +128,8 @@ class SequenceState:
     ends: list[int] = field(default_factory=list)
     ends_at: list[int] = field(default_factory=list)
     searched: int = 0
+    stop_tails: list[int] = field(default_factory=list)
+    stop_tails_at: int = 0
     chain: list[bytes] = field(default_factory=list)  # prefix-cache keys of the committed blocks
     step: int = 0
     pos: int = 0                               # committed positions in the cache
