@@ -77,6 +77,20 @@ def test_stop_token_ids_and_stop_strings_are_exact():
         assert result.token_ids == [0, 1, 2, 3] and result.text == "abcd" and result.finish_reason == "stop"
 
 
+def test_a_stop_string_completed_before_min_tokens_does_not_count():
+    """vLLM's rule: no stop string is looked for before min_tokens tokens. "def" is complete at the 6th token:
+    at min_tokens 6 the reply stops there; at 7 it runs on to max_new_tokens (found by a review: min_tokens
+    held back stop tokens but not stop strings)."""
+    for algorithm in ("ar", "low_confidence"):   # (emit's rule, the same for every decoder)
+        model = ScriptedModel(lambda j, pos: (pos - 8, 0.99), ar_script=lambda pos: (pos - 8, 0.99))
+        engine = Engine(model, tokenizer=CharTokenizer())
+        params = SamplingParams(max_new_tokens=12, algorithm=algorithm, stop=("def",), min_tokens=6)
+        result = engine.generate([list(range(8))], params)[0]
+        assert (result.text, result.finish_reason) == ("abc", "stop"), algorithm
+        result = engine.generate([list(range(8))], params.with_(min_tokens=7))[0]
+        assert (result.text, result.finish_reason) == ("abcdefghijkl", "length"), algorithm
+
+
 def test_overlapping_stop_strings_stop_where_one_token_decoding_stops():
     # "bcdefg" starts first but "de" completes first: a block that commits "abcdefgh" at once must stop where
     # `ar`, one token at a time, stops (after "e", the text before "de")

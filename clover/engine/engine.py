@@ -618,11 +618,13 @@ class Engine:
         """The stop string that one-token decoding would stop at, in the text decoded since the last search:
         (start, end) or None. A run of several tokens (a block, a verified draft) can hold several stop
         strings; decoding token by token stops at the first decoded piece (`s.ends`) that completes one, and
-        among those that piece completes, at the one that starts first."""
+        among those that piece completes, at the one that starts first. A stop string completed before
+        params.min_tokens tokens does not count (vLLM's rule: no stop string is looked for before them)."""
         longest = max(len(stop) for stop in s.params.stop)
         start = max(0, s.searched - longest + 1)
         s.searched = len(s.decoded)
         hits = [(at, at + len(stop)) for stop in s.params.stop if (at := s.decoded.find(stop, start)) >= 0]
+        hits = [h for h in hits if s.ends_at[bisect.bisect_left(s.ends, h[1])] >= s.params.min_tokens]
         if not hits:
             return None
         piece = {hit: bisect.bisect_left(s.ends, hit[1]) for hit in hits}

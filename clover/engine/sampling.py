@@ -54,7 +54,7 @@ class SamplingParams:
     logprobs: int | None = None         # per generated token: its log-probability and the top-N (ar, verify)
     constraint: Constraint | None = None   # a grammar the reply must match (structured output)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit), OpenAI's
-    min_tokens: int = 0                 # no stop token before this many generated tokens
+    min_tokens: int = 0                 # no stop token or stop string before this many generated tokens
     record_steps: bool = False          # keep the step that accepted each token and a per-step trace
 
     def with_(self, **changes: object) -> SamplingParams:

@@ -161,7 +161,7 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = Field(default=0, ge=0)     # vLLM's: no end of sequence before this many tokens
+    min_tokens: int = Field(default=0, ge=0)     # vLLM's: no end of sequence or stop string before this many tokens
     # accepted and without effect on the reply (OpenAI bookkeeping)
     user: str | None = None
     metadata: dict[str, str] | None = None
