@@ -860,3 +860,28 @@ def test_union_field_errors_name_the_field_not_pydantics_member(body, message):
         (CompletionRequest if "prompt" in body else ChatRequest).model_validate(body)
     text, param = validation_message(exc.value)
     assert text.startswith(message) and param == message.split(":")[0]
+
+
+def test_chat_logprobs_bytes_join_into_the_reply_where_tokens_split_a_character():
+    """OpenAI's logprobs `bytes` exist for tokens that hold part of a character (decoded alone, U+FFFD): each
+    entry carries its token's own bytes, so they join into the reply's text (found by a review: they were the
+    bytes of U+FFFD)."""
+    from fastapi.testclient import TestClient
+
+    text = "some é ü 日本 text"
+    tok = Tokenizer.train(["some text"] * 20, vocab_size=300)   # no merges over the accented letters: bytes
+    config = CloverConfig.preset("debug", vocab_size=300, mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_ids)
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)      # some tokens are parts of a character
+    app = build_app(TextScriptModel(ids, config), tok, ServerConfig(model_name="m"), generation_defaults={"algorithm": "ar"})
+    with TestClient(app) as http:
+        for as_ids in (False, True):
+            body = http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2, **THINK_OFF,
+                "return_tokens_as_token_ids": as_ids}).json()
+            choice = body["choices"][0]
+            entries = choice["logprobs"]["content"]
+            assert choice["message"]["content"] == text
+            assert bytes(b for e in entries for b in e["bytes"]).decode() == text
+            assert all(bytes(t["bytes"]) == tok.token_bytes(int(t["token"].split(":")[1])) if as_ids else True
+                       for e in entries for t in e["top_logprobs"])

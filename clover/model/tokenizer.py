@@ -6,6 +6,7 @@ Jinja `chat_template`), as transformers writes them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -61,6 +62,16 @@ def _arguments(call: Any) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     args = fn.get("arguments") if isinstance(fn, dict) else None
     return args if isinstance(args, dict) else {}
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's, which `tokenizers`' ByteLevel uses), inverted: each byte is written
+    as one printable character, itself where it is printable Latin-1, else 256 + n in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
 
 
 class TokenizerError(ValueError):
@@ -119,6 +130,19 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: part of a character for some (decoded alone, those show as U+FFFD;
+        OpenAI's logprobs carry `bytes` so that a client can join them). A special token's are its text's."""
+        piece = self.tk.id_to_token(token_id)
+        if piece is None:
+            raise TokenizerError(f"token id {token_id} is not in the vocabulary of {self.vocab_size}")
+        if token_id in self.special_ids.values():
+            return piece.encode()
+        table = _byte_of_char()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self.decode([token_id]).encode()   # (not a byte-level piece: its text)
 
     def apply_chat_template(
         self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,

@@ -100,15 +100,16 @@ def _token_namer(tokenizer: Tokenizer, as_ids: bool) -> Callable[[int], str]:
     return (lambda t: f"token_id:{t}") if as_ids else (lambda t: tokenizer.decode([t]))
 
 
-def _chat_logprobs(name: Callable[[int], str], ids: list[int], logprobs: list[TokenLogprob] | None) -> dict | None:
-    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]} (token text and its
-    UTF-8 bytes decoded one token at a time), or None when not requested."""
+def _chat_logprobs(name: Callable[[int], str], raw: Callable[[int], bytes], ids: list[int],
+                   logprobs: list[TokenLogprob] | None) -> dict | None:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]} (the token's text decoded
+    alone, and its bytes: `raw`, part of a character for some, so that the entries' bytes join into the
+    reply's text), or None when not requested."""
     if logprobs is None:
         return None
 
     def entry(token_id: int, lp: float) -> dict:
-        text = name(token_id)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"token": name(token_id), "logprob": lp, "bytes": list(raw(token_id))}
 
     return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in top]}
                         for t, (lp, top) in zip(ids, logprobs, strict=True)]}
@@ -461,7 +462,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                     tail = c.parser.finish()
                     delta = OutputDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
                                         delta.tool_calls + tail.tool_calls, tail.errors)
-                yield c, delta, ev.finished, _chat_logprobs(namer, ev.token_ids, ev.logprobs)
+                yield c, delta, ev.finished, _chat_logprobs(namer, tokenizer.token_bytes, ev.token_ids, ev.logprobs)
 
         def finish_reason(c: _Choice) -> str:
             if c.result.finish_reason == "length":   # cut short, calls or not: OpenAI's "length" tells the client
@@ -493,7 +494,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 if c.calls:
                     msg["tool_calls"] = [{k: v for k, v in e.items() if k != "index"} for e in c.calls]
                 item = {"index": c.index, "message": msg, "finish_reason": finish_reason(c),
-                        "logprobs": _chat_logprobs(namer, c.result.token_ids, c.result.logprobs)}
+                        "logprobs": _chat_logprobs(namer, tokenizer.token_bytes, c.result.token_ids, c.result.logprobs)}
                 if c.errors:
                     item["clover_parse_errors"] = c.errors
                 out.append(item)
