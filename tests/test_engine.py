@@ -91,6 +91,23 @@ def test_a_stop_string_completed_before_min_tokens_does_not_count():
         assert (result.text, result.finish_reason) == ("abcdefghijkl", "length"), algorithm
 
 
+def test_a_stop_string_before_a_stop_token_in_one_run_leaves_no_stop_logprob():
+    """A run of several tokens (a verified draft) holding a stop string and then a stop token ends at the
+    string: the stop token's logprob entry (which scorers read after the reply) is not the reply's (found by
+    a review from reading: it was kept, after tokens it does not follow)."""
+    import torch
+
+    engine = Engine(ScriptedModel(), tokenizer=CharTokenizer())
+    rid = engine.add_request([1, 2], SamplingParams(max_new_tokens=8, algorithm="ar", stop=("b",), logprobs=1))
+    s = engine.waiting[0]
+    events = []
+    engine.emit_final(s, [0, 1, 2, 62], [1, 1, 1, 1], events, torch.zeros(4, 64))   # "abc", then end of sequence
+    (ev,) = events
+    assert ev.request_id == rid and ev.finished and ev.result.finish_reason == "stop"
+    assert ev.result.text == "a" and ev.result.token_ids == [0, 1] and ev.result.stop_logprob is None
+    assert len(ev.result.logprobs) == 2
+
+
 def test_overlapping_stop_strings_stop_where_one_token_decoding_stops():
     # "bcdefg" starts first but "de" completes first: a block that commits "abcdefgh" at once must stop where
     # `ar`, one token at a time, stops (after "e", the text before "de")

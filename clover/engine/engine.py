@@ -587,6 +587,7 @@ class Engine:
                 # keep the tokens up to the one that completes the stop string; the text ends before it
                 m = s.ends_at[bisect.bisect_left(s.ends, end)]
                 del s.generated[m:], s.accept_steps[m:], s.logprobs[m:]
+                s.stop_logprob = None   # a stop token after it in the same run did not end the reply
                 self.finish(s, [], [], "stop", events, text=s.decoded[:at])
                 return
         if stopped:
