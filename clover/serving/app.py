@@ -658,7 +658,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                         if ev.finished and ev.result is not None and ev.result.stop_logprob is not None:
                             ids, lps = [*ids, ev.result.stop_logprob[0]], [*lps, ev.result.stop_logprob[1]]
                         logprobs = _completion_logprobs(namer, ids, lps, offsets[i])
-                    offsets[i] += len(ev.text)
+                        # each token's text, as the whole reply's offsets count (not the text let out so far,
+                        # which holds back a split character or a possible stop string)
+                        offsets[i] += sum(map(len, logprobs["tokens"]))
                     yield body([{"index": i, "text": ev.text, "logprobs": logprobs,
                                  "finish_reason": reason(ev.result) if ev.finished else None}])
             except Exception as exc:  # noqa: BLE001 - reported in the stream, the headers are gone
