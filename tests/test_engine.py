@@ -161,16 +161,6 @@ def test_penalties_count_response_tokens_only():
     assert out[0] == 5 and out[1] != 5
 
 
-def test_the_repetition_penalty_counts_the_prompt_too():
-    """As vLLM's and transformers' (whose input ids hold the prompt): a token of the prompt is penalised from
-    the first pick on; presence and frequency (OpenAI's) count the response only (above). Found by a review:
-    the prompt was not counted."""
-    model = ScriptedModel(ar_script=lambda pos: (5, 0.05))   # token 5 just above the rest (0.05 vs ~0.015)
-    base = SamplingParams(max_new_tokens=2, algorithm="ar", ignore_eos=True, repetition_penalty=10.0)
-    assert Engine(model).generate([[5, 5, 5]], base)[0].token_ids[0] != 5
-    assert Engine(model).generate([[1, 2, 3]], base)[0].token_ids[0] == 5
-
-
 @pytest.mark.parametrize("bad,message", [
     (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (dict(temperature=-1.0), "temperature"),
@@ -336,22 +326,21 @@ def test_the_batchs_plain_argmax_equals_the_pick_one_by_one_and_leaves_the_rest_
 
 def test_token_counts_are_kept_only_for_requests_with_penalties():
     """A request without penalties carries no [vocabulary] count tensor (nothing reads it); one with any of the
-    three penalties counts its tokens (row 0; the prompt's tokens are marked in row 1 for the repetition
-    penalty only)."""
+    three penalties counts its tokens, the prompt excluded, as before."""
     engine = Engine(ScriptedModel())
     plain = engine.add_request([1, 2], SamplingParams(max_new_tokens=4, ignore_eos=True))
     penalised = engine.add_request([1, 2], SamplingParams(max_new_tokens=4, ignore_eos=True, frequency_penalty=0.5))
     states = {s.rid: s for s in engine.waiting}
     assert states[plain].counts is None
-    assert states[penalised].counts is not None and float(states[penalised].counts.sum()) == 0.0   # (no repetition)
+    assert states[penalised].counts is not None and float(states[penalised].counts.sum()) == 0.0
     results = {}
     while engine.has_unfinished():
         results.update({ev.request_id: ev.result for ev in engine.step() if ev.finished})
     counts = states[penalised].counts
     assert states[plain].counts is None and len(results[plain].token_ids) == 4
-    assert float(counts[0].sum()) == len(results[penalised].token_ids) and float(counts[1].sum()) == 0.0
+    assert float(counts.sum()) == len(results[penalised].token_ids)
     for t in set(results[penalised].token_ids):
-        assert float(counts[0, t]) == results[penalised].token_ids.count(t)
+        assert float(counts[t]) == results[penalised].token_ids.count(t)
 
 
 def test_the_batchs_confident_picks_equal_pick_tokens_slot_by_slot():

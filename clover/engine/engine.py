@@ -32,7 +32,6 @@ from clover.engine.sampling import (
     SamplingParams,
     TokenLogprob,
     has_penalties,
-    new_counts,
     token_logprobs,
 )
 from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
@@ -114,7 +113,7 @@ class Engine:
         self.waiting.append(SequenceState(
             rid=rid, prompt=prompt, params=params, block_size=GenerationConfig.resolve_block_size(params.block_size, self.config),
             generator=torch.Generator().manual_seed(seed),
-            counts=new_counts(prompt, self.config.vocab_size, params, self.device),
+            counts=torch.zeros(self.config.vocab_size, device=self.device) if has_penalties(params) else None,
             started=time.perf_counter(), stats=GenerationStats(prompt_tokens=len(prompt)), matcher=matcher,
             pending=pending,
         ))

@@ -6,7 +6,6 @@ Dimension letters: M positions being decided, V vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -116,33 +115,21 @@ class SamplingParams:
                                        "which commits tokens from the block preview")
 
 
-def new_counts(prompt: Sequence[int], vocab_size: int, params: SamplingParams, device: torch.device | str
-               ) -> torch.Tensor | None:
-    """A request's penalty state [2,V]: row 0 counts each token of the response so far (`count_tokens`), row 1
-    marks the prompt's tokens, which the repetition penalty counts too (as vLLM's and transformers' do; OpenAI's
-    presence and frequency penalties count the response only). None for a request without penalties."""
-    if not has_penalties(params):
-        return None
-    counts = torch.zeros(2, vocab_size, device=device)
-    if params.repetition_penalty != 1.0 and len(prompt):
-        counts[1, torch.as_tensor(list(prompt), dtype=torch.long, device=device)] = 1.0
-    return counts
-
-
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
-    """logits [M,V] fp32; counts [2,V] (`new_counts`): occurrences of each token in the response so far, and
-    the prompt's tokens (None where `params` has no penalties: nothing reads them).
+    """logits [M,V] fp32; counts [V] occurrences of each token in the response so far (None where
+    `params` has no penalties: nothing reads them).
 
-    repetition (CTRL / transformers, vLLM): the logits of tokens in the prompt or the response divided by the
-    penalty when positive, multiplied when negative; presence and frequency (OpenAI): minus p * [in the
-    response] minus f * count; then logit_bias added (OpenAI).
+    repetition (CTRL / transformers): seen tokens' logits divided by the penalty when positive,
+    multiplied when negative; presence and frequency (OpenAI): minus p * [seen] minus f * count;
+    then logit_bias added (OpenAI). All three count response tokens only, as spec section 5 says (vLLM's
+    and transformers' repetition penalty counts the prompt's tokens too: a deliberate difference).
     """
     if params.repetition_penalty != 1.0:
-        seen = (counts > 0).any(0)
+        seen = counts > 0
         penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
         logits = torch.where(seen, penalised, logits)
     if params.presence_penalty or params.frequency_penalty:
-        logits = logits - params.presence_penalty * (counts[0] > 0).float() - params.frequency_penalty * counts[0]
+        logits = logits - params.presence_penalty * (counts > 0).float() - params.frequency_penalty * counts
     if params.logit_bias:
         ids = torch.tensor([i for i, _ in params.logit_bias], device=logits.device)
         bias = torch.tensor([b for _, b in params.logit_bias], device=logits.device, dtype=logits.dtype)
@@ -252,12 +239,12 @@ def has_penalties(params: SamplingParams) -> bool:
 
 
 def count_tokens(counts: torch.Tensor | None, tokens: int | list[int] | torch.Tensor, by: float = 1.0) -> None:
-    """Add `by` to the response-token counts (`new_counts`' row 0) of `tokens` (a token may repeat); none kept
-    (None) for a request without penalties, where an update would be a few wasted tensor ops at every step."""
+    """Add `by` to the response-token counts of `tokens` (a token may repeat); none kept (None) for a
+    request without penalties, where an update would be a few wasted tensor ops at every step."""
     if counts is None:
         return
     ids = torch.as_tensor([tokens] if isinstance(tokens, int) else tokens, dtype=torch.long, device=counts.device)
-    counts[0].index_add_(0, ids, torch.full(ids.shape, by, dtype=counts.dtype, device=counts.device))
+    counts.index_add_(0, ids, torch.full(ids.shape, by, dtype=counts.dtype, device=counts.device))
 
 
 def verify_drafts(
@@ -267,7 +254,7 @@ def verify_drafts(
     """Check drafts [M] against the causal head's logits [M,V] (row i predicts draft i) the way the
     `ar` decoder would decide each position (spec section 5b). Returns (tokens, kept): the kept drafts
     followed, at the first rejection, by the causal head's own token (so always >= 1 token); kept =
-    how many drafts were kept. `counts` (`new_counts`: the penalties' token counts) is updated.
+    how many drafts were kept. `counts` [V] (response-token counts for the penalties) is updated.
 
     Temperature 0: a draft is kept when it is the causal argmax. Temperature > 0: speculative
     sampling -- draft x (drawn from draft_probs [M,V]) is kept with probability min(1, p(x) / q(x)),

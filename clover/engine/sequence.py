@@ -104,7 +104,7 @@ class SequenceState:
     params: SamplingParams
     block_size: int
     generator: torch.Generator
-    counts: torch.Tensor | None                # [2,V] the penalties' token counts (`sampling.new_counts`; None: none)
+    counts: torch.Tensor | None                # [V] response-token counts for the penalties (None: it has none)
     started: float
     stats: GenerationStats = field(default_factory=GenerationStats)
     row: int = -1
