@@ -5,6 +5,7 @@ parses and validates, for ar, verify and low_confidence; verify stays equal to a
 import json
 import random
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -548,3 +549,23 @@ def test_auto_tool_calls_go_free_where_the_schema_cannot_be_held(url):
     assert status == 200, body
     status, body = _chat(url, messages=[{"role": "user", "content": "x"}], tools=tools, max_tokens=8, tool_choice="required")
     assert status == 400 and "not" in body["error"]["message"], body
+
+
+def test_a_grammar_prepared_on_another_thread_is_not_compiled_again_at_admission(setup, monkeypatch):
+    """The server compiles a request's grammar on a worker thread (`Engine.prepare_grammar`); the engine
+    thread's admission then only copies the built matcher, so a large grammar does not stall the batch.
+    A bad grammar fails in the preparation, as at admission."""
+    import clover.engine.structured as structured
+
+    model, tok = setup
+    engine = Engine(model, tok)
+    constraint = Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(engine.prepare_grammar, constraint).result()
+    calls = []
+    real = structured._compiled
+    monkeypatch.setattr(structured, "_compiled", lambda fn, *a: calls.append(fn) or real(fn, *a))
+    engine.add_request(tok.encode("x"), SamplingParams(max_new_tokens=8, algorithm="ar", constraint=constraint))
+    assert calls == []                                           # built once, on the other thread
+    with pytest.raises(GrammarError):
+        engine.prepare_grammar(Constraint("regex", "(unclosed"))

@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,7 @@ from clover.engine.sampling import (
     token_logprobs,
 )
 from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
-from clover.engine.structured import GrammarCompiler, GrammarError
+from clover.engine.structured import Constraint, GrammarCompiler, GrammarError
 from clover.model.cache import PrefixCache
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CheckTrail, CloverForCausalLM
@@ -78,6 +79,7 @@ class Engine:
         self.forward_seconds = 0.0  # wall time inside model forwards, all sequences together
         self.prefix = PrefixStore(self.config.block_size, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._grammars: GrammarCompiler | None = None   # built at the first constrained request
+        self._grammars_lock = threading.Lock()
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -104,9 +106,8 @@ class Engine:
         if params.constraint is not None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs a tokenizer")
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
-            matcher, pending = self._grammars.start(params.constraint)   # GrammarError (a ValueError) if it does not compile
+            # GrammarError (a ValueError) if it does not compile
+            matcher, pending = self._grammar_compiler().start(params.constraint)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_BOUND)
         if self.cache is None:   # idle (no cache held): the model may have moved since the last request
             self.device = self.model.device
@@ -118,6 +119,20 @@ class Engine:
             pending=pending,
         ))
         return rid
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammars_lock:   # (built at the first constrained request, on whichever thread asks first)
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
+            return self._grammars
+
+    def prepare_grammar(self, constraint: Constraint) -> None:
+        """Compile a constraint's grammar now, on the caller's thread (any thread: the server's workers), so
+        that `add_request` finds it built (the last 64 are kept) rather than compiling it on the engine's
+        thread while the batch waits. GrammarError (a ValueError) if it does not compile."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer")
+        self._grammar_compiler().build(constraint)
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt as ints; InvalidParameter("prompt") when it is empty, leaves the vocabulary or holds the

@@ -192,21 +192,32 @@ class GrammarCompiler:
         self.eos_ids = frozenset(eos_ids)
         self._keep = keep
         self._built: OrderedDict[Constraint, Any] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def matcher(self, constraint: Constraint) -> Matcher:
-        m = self._built.get(constraint)
-        if m is None:
-            m = _compiled(lambda g: self._ll.LLMatcher(self._tokenizer, g, log_level=0), _grammar(constraint))
-            if m.is_error():
-                raise GrammarError(f"{constraint.kind}: {m.get_error()}")
-            m.compute_bitmask()   # a grammar that matches no text fails only at its first mask (it read as
-            if m.is_error():      # complete: a 200 with an empty reply that does not match it)
-                raise GrammarError(f"{constraint.kind}: the grammar matches no text ({_headline(m)})")
+    def build(self, constraint: Constraint) -> Any:
+        """The constraint's matcher at its start, kept (GrammarError if it does not compile). Any thread may
+        call it: the server builds a request's before the engine thread admits it (`Engine.prepare_grammar`),
+        so that a large grammar (0.3 s for 150 KB of JSON schema) does not stall the batch; llguidance lets
+        the other threads run while it compiles."""
+        with self._lock:
+            m = self._built.get(constraint)
+            if m is not None:
+                self._built.move_to_end(constraint)
+                return m
+        m = _compiled(lambda g: self._ll.LLMatcher(self._tokenizer, g, log_level=0), _grammar(constraint))
+        if m.is_error():
+            raise GrammarError(f"{constraint.kind}: {m.get_error()}")
+        m.compute_bitmask()   # a grammar that matches no text fails only at its first mask (it read as
+        if m.is_error():      # complete: a 200 with an empty reply that does not match it)
+            raise GrammarError(f"{constraint.kind}: the grammar matches no text ({_headline(m)})")
+        with self._lock:
             self._built[constraint] = m
             if len(self._built) > self._keep:
                 self._built.popitem(last=False)
-        self._built.move_to_end(constraint)
-        return Matcher(m.deep_copy(), self.vocab_size, self.eos_ids)
+        return m
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        return Matcher(self.build(constraint).deep_copy(), self.vocab_size, self.eos_ids)
 
     def start(self, constraint: Constraint) -> tuple[Matcher | None, Pending | None]:
         """A sequence's grammar state: (a matcher, None), or for a lazy grammar (None, its `Pending`),
