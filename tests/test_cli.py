@@ -340,6 +340,8 @@ def test_operating_system_errors_read_as_path_and_reason():
     (["generate", "hi", "--model", "MODEL", "--max-accept", "0"], "argument --max-accept: must be a positive integer"),
     (["generate", "hi", "--model", "MODEL", "--stop", ""], "argument --stop: must be a list of non-empty strings"),
     (["generate", "hi", "--model", "MODEL", "--block-size", "0"], "argument --block-size"),
+    # found by a hostile pass (session 51): `--api-key "$KEY"` with KEY unset served with no key at all
+    (["serve", "--model", "MODEL", "--api-key", ""], "argument --api-key: is empty (an unset variable?)"),
 ])
 def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, args, message, capsys):
     """Found by a hostile pass: each of these was a traceback from deep inside the command (a bind() overflow

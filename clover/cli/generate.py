@@ -12,7 +12,7 @@ from typing import TextIO
 
 import torch
 
-from clover.cli.options import nonnegative_int, output_file, port, positive_int
+from clover.cli.options import api_key, nonnegative_int, output_file, port, positive_int
 from clover.engine.engine import Engine, GenerationResult
 from clover.engine.sampling import ALGORITHMS, InvalidParameter, SamplingParams
 from clover.engine.structured import auto_tool_calls
@@ -403,7 +403,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_model_options(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $CLOVER_API_KEY, so "
+    p.add_argument("--api-key", type=api_key, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $CLOVER_API_KEY, so "
                                      "that the key need not appear in the process list)")
     p.add_argument("--max-batch-size", type=positive_int, default=32, help="sequences decoded together")
     p.add_argument("--max-queue", type=nonnegative_int, default=64,

@@ -42,6 +42,14 @@ def port(text: str) -> int:
     return _number(text, int, lambda v: 1 <= v <= 65535, "a TCP port in [1, 65535]")
 
 
+def api_key(text: str) -> str:
+    """A key to require: not empty (`--api-key "$KEY"` with KEY unset would otherwise serve with no key at all)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): give a key, or leave --api-key out to serve "
+                                         "without one")
+    return text
+
+
 def layout(text: str) -> list[str]:
     """Layer types from a layout such as LFLF (`layer_types_of`), else a usage error."""
     from clover.model.config import layer_types_of

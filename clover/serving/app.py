@@ -786,7 +786,7 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
                         loaded.generation, prefix_cache_bytes, max_prefill_tokens)
         where = f"[{host}]" if ":" in host else host or "0.0.0.0"   # (an IPv6 address is bracketed in a URL)
         print(f"clover serve: {name} on http://{where}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
-              f"{prefix_cache_bytes / 2**20:.0f} MiB)", flush=True)
+              f"{prefix_cache_bytes / 2**20:.0f} MiB, {'API key required' if api_key else 'no API key'})", flush=True)
         engine: AsyncEngine = app.state.engine
         if compile:
             print("clover serve: compiling the decoding passes (minutes on a few cores the first time; inductor keeps "
