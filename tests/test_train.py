@@ -17,7 +17,7 @@ import torch
 from clover.cli.commands import main as cli_main
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
-from clover.model.tokenizer import Tokenizer, stdlib_sources
+from clover.model.tokenizer import Tokenizer, TokenizerError, stdlib_sources
 from clover.training import objectives, recall_data, synthetic
 from clover.training.data import SPLITS, TokenData, chat_example, encode_corpus, require_data, split_of
 from clover.training.objectives import ObjectiveConfig, compute_loss, linear_cross_entropy, sample_noise
@@ -838,6 +838,24 @@ def test_resume_names_the_settings_that_differ_and_follows_a_moved_run(data_dir,
         train(_cfg(data_dir, tmp_path / "moved", steps=6, save_every=3, eval_every=3, lr=1e-2), resume=True)
     record = train(_cfg(data_dir, tmp_path / "moved", steps=4, save_every=3, eval_every=3), resume=True)
     assert record["step"] == 4
+
+
+def test_resume_takes_the_data_by_where_it_is_and_refuses_it_rebuilt_with_another_tokenizer(data_dir, tmp_path):
+    """Found by a hostile pass (session 51): the data path was compared as text (a trailing slash or a link was
+    "different settings"), and data rebuilt in place with another tokenizer was resumed on without a word (its
+    ids read as other tokens; the finished model carried that tokenizer)."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    link = tmp_path / "link"
+    link.symlink_to(data)
+    train(_cfg(data, tmp_path / "run", steps=3, save_every=3, eval_every=3))
+    assert train(_cfg(f"{data}/", tmp_path / "run", steps=4, save_every=3, eval_every=3), resume=True)["step"] == 4
+    assert train(_cfg(link, tmp_path / "run", steps=5, save_every=3, eval_every=3), resume=True)["step"] == 5
+    Tokenizer.train(["something else entirely, other merges"] * 40, vocab_size=300).save(data / "tokenizer")
+    with pytest.raises(TokenizerError, match="another tokenizer"):
+        train(_cfg(data, tmp_path / "run", steps=6, save_every=3, eval_every=3), resume=True)
 
 
 def test_corrupt_token_shards_are_named_not_looped_on(data_dir, tmp_path):

@@ -166,6 +166,11 @@ def _setup_distributed() -> _Dist:
     return _Dist(rank, world, device)
 
 
+def _same_path(a: str, b: str) -> bool:
+    """Whether two path settings name the same directory (not a `preset:` name)."""
+    return not a.startswith("preset:") and not b.startswith("preset:") and Path(a).resolve() == Path(b).resolve()
+
+
 def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -> CloverForCausalLM:
     if cfg.init.startswith("preset:"):
         config = CloverConfig.preset(cfg.init.split(":", 1)[1], mask_token_id=tokenizer.mask_token_id,
@@ -354,9 +359,11 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         # (runs older than a setting made their weights without it: 0)
         saved = TrainConfig(**{**{name: 0.0 for name in INIT_ONLY}, **state["config"]})
         cfg = dataclasses.replace(cfg, **{name: getattr(saved, name) for name in INIT_ONLY})
-        # (a run directory may move: `out` is where it is now)
+        # (a run directory may move: `out` is where it is now; a path is the same one spelt another way too,
+        # e.g. with a trailing slash or through a link)
         changed = [f.name for f in dataclasses.fields(cfg)
-                   if f.name not in ("steps", "out", "compile") and getattr(saved, f.name) != getattr(cfg, f.name)]
+                   if f.name not in ("steps", "out", "compile") and getattr(saved, f.name) != getattr(cfg, f.name)
+                   and not (f.name in ("data", "init") and _same_path(getattr(saved, f.name), getattr(cfg, f.name)))]
         if changed:
             raise ValueError(f"--resume with different settings than the run in {out} ("
                              + ", ".join(f"{k}: {getattr(saved, k)!r} there, {getattr(cfg, k)!r} now" for k in changed)
@@ -364,6 +371,9 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         if state["step"] > cfg.steps:
             raise ValueError(f"the run in {out} is at step {state['step']}, past --steps {cfg.steps}")
         model = load_checkpoint(ckpt, dtype="float32", device=d.device)
+        # the data may have been rebuilt since (with another tokenizer): its ids would read as other tokens, and the
+        # finished model would carry that tokenizer
+        tokenizer.check_model(ckpt, model.config.vocab_size, f"the data in {cfg.data}")
         start = state["step"]
     elif resume:
         early = (out / "log.jsonl").exists() and not (out / "model").exists()
