@@ -215,6 +215,24 @@ def test_generate_reads_standard_input_as_utf8_and_says_so_when_it_is_not(text_m
     assert ok.returncode == 0, ok.stderr
 
 
+def test_an_empty_clover_model_is_an_error_not_the_working_directory(monkeypatch, capsys):
+    monkeypatch.setenv("CLOVER_MODEL", "")
+    assert cli_main(["generate", "hi"]) == 1
+    assert "CLOVER_MODEL is set but empty" in capsys.readouterr().err
+
+
+def test_chat_says_which_input_is_not_utf8(text_model):
+    """Found by a hostile pass (session 51): a line or a --system that is not UTF-8 failed every turn as "a lone
+    UTF-16 surrogate" (and /reset could not help against --system)."""
+    line = subprocess.run([sys.executable, "-m", "clover", "chat", "--model", text_model, "--max-new-tokens", "2"],
+                          input=b"caf\xe9\nhello\n", capture_output=True, timeout=120)
+    assert line.returncode == 1 and line.stderr.decode().count("error: the line is not UTF-8 text") == 1
+    assert line.stdout.decode().count("forwards, TPF") == 1       # the next line is answered
+    system = subprocess.run([sys.executable, "-m", "clover", "chat", "--model", text_model, "--system", b"caf\xe9"],
+                            input=b"hello\n", capture_output=True, timeout=120)
+    assert system.returncode == 1 and system.stderr.decode() == "clover chat: error: --system is not UTF-8 text\n"
+
+
 def test_chat_checks_its_options_before_the_first_turn(text_model):
     bad = _run("chat", "--model", text_model, "--temperature", "-1", stdin="hello\n")
     assert bad.returncode == 2 and "argument --temperature: must be between 0 and 2" in bad.stderr
@@ -342,6 +360,9 @@ def test_operating_system_errors_read_as_path_and_reason():
     (["generate", "hi", "--model", "MODEL", "--block-size", "0"], "argument --block-size"),
     # found by a hostile pass (session 51): `--api-key "$KEY"` with KEY unset served with no key at all
     (["serve", "--model", "MODEL", "--api-key", ""], "argument --api-key: is empty (an unset variable?)"),
+    (["data", "distill", "--model", "m", "--data", "d", "--out", "o", "--code", "0"],   # (its data could not train)
+     "argument --code: must be a positive integer, got 0"),
+    (["init", "/nonexistent/x", "--tokenizer", "MODEL", "--no-tokenizer"], "not allowed with argument --tokenizer"),
 ])
 def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, args, message, capsys):
     """Found by a hostile pass: each of these was a traceback from deep inside the command (a bind() overflow
@@ -371,14 +392,24 @@ def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, arg
      "certainty_weight only apply to the diffusion objective"),
     (["convert", "BADCFG", "OUT"], "config.json is not valid JSON"),
     (["generate", "x", "--chat", "--tools", "TOOLS", "--ignore-eos"], "--ignore-eos with --tools"),   # (found by a
-])                                                                      # hostile pass: the grammar went off unsaid)
+    # hostile pass: the grammar went off unsaid; session 51: the bench's own fields were overridden unsaid, and a
+    # file that is not UTF-8 was a codec error naming no file)
+    (["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1", "--extra-body",
+      '{"max_tokens": 2}'], "--extra-body may not set ['max_tokens']"),
+    (["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1", "--prompts-file", "LATIN1"],
+     "latin1.txt is not UTF-8 text (invalid continuation byte at byte 0)"),
+    (["generate", "x", "--chat", "--tools", "LATIN1"], "latin1.txt is not UTF-8 text"),
+])
 def test_bad_values_the_parser_cannot_see_are_one_line_errors(text_model, tmp_path, args, message, capsys):
     out = str(tmp_path / "new")
     bad = tmp_path / "badcfg"
     bad.mkdir()
     (bad / "config.json").write_text("{bad")
     tools = str(Path(__file__).resolve().parents[1] / "examples" / "tools.json")
-    assert cli_main([{"MODEL": text_model, "OUT": out, "BADCFG": str(bad), "TOOLS": tools}.get(a, a) for a in args]) == 1
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"\xe9t\xe9\n")
+    assert cli_main([{"MODEL": text_model, "OUT": out, "BADCFG": str(bad), "TOOLS": tools, "LATIN1": str(latin1)}.get(a, a)
+                     for a in args]) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not Path(out).exists()
 

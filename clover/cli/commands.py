@@ -86,7 +86,8 @@ def cmd_init(args: argparse.Namespace) -> int:
             "mask_token_id": tokenizer.mask_token_id, "eos_token_id": tokenizer.eos_token_ids})
     model = CloverForCausalLM.from_scratch(config, args.seed, args.gdn_gate_z, args.gdn_dt_max)
     save_checkpoint(model, args.directory, dtype=args.dtype, extra_files=tokenizer.files() if tokenizer else None)
-    with_tok = f", tokenizer of {tokenizer.vocab_size} tokens" if tokenizer else ", no tokenizer"
+    with_tok = (f", tokenizer of {tokenizer.vocab_size} tokens" if tokenizer else ", no tokenizer" if args.no_tokenizer
+                else f", no tokenizer (none is trained for a vocabulary of {config.vocab_size:,}: give --tokenizer)")
     print(f"wrote {args.directory}: preset {args.preset}, {_human(total)} parameters, random weights "
           f"(seed {args.seed}){with_tok}")
     return 0
@@ -180,9 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GDN decay steps softplus(dt_bias) log-uniform in [0.001, this] (default 0: the "
                         "transformers-style dt_bias 1)")
     p.add_argument("--force", action="store_true", help="allow presets over 2B parameters")
-    p.add_argument("--tokenizer", metavar="DIR", help="copy the tokenizer of this directory")
-    p.add_argument("--no-tokenizer", action="store_true",
-                   help="write no tokenizer (default: train a byte-level BPE on Python standard-library source)")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", metavar="DIR", help="copy the tokenizer of this directory")
+    tok.add_argument("--no-tokenizer", action="store_true",
+                     help="write no tokenizer (default: train a byte-level BPE on Python standard-library source, "
+                          "for a vocabulary of at most 65,536; none above that)")
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("convert", help="convert a transformers Qwen3.5-MoE checkpoint into a Clover one",

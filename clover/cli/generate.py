@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -20,6 +19,7 @@ from clover.engine.trace import render_steps_ansi, write_trace_html
 from clover.model.chat import StreamingParser, parse_output, validate_tools
 from clover.model.checkpoint import Loaded, load_for_generation
 from clover.model.config import GenerationConfig
+from clover.model.files import read_text
 from clover.model.tokenizer import Tokenizer
 
 DIM, RESET = "\033[2m", "\033[0m"
@@ -111,7 +111,7 @@ def check_decoding_flags(args: argparse.Namespace) -> None:
 
 def _read_tools(path: str) -> list[dict]:
     try:
-        tools = json.loads(Path(path).read_text())
+        tools = json.loads(read_text(path))
     except OSError as exc:
         raise ValueError(f"cannot read --tools {path}: {exc.strerror}") from exc
     except json.JSONDecodeError as exc:
@@ -121,16 +121,21 @@ def _read_tools(path: str) -> list[dict]:
     return validate_tools(tools)
 
 
+def _utf8(text: str, what: str) -> str:
+    """`text` from the command line or standard input, where bytes that are not UTF-8 arrive as lone surrogates
+    (Python's surrogateescape): refused here, naming where they came from."""
+    if any("\ud800" <= ch <= "\udfff" for ch in text):
+        raise ValueError(f"{what} is not UTF-8 text")
+    return text
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.file:
         if args.prompt is not None:
             raise ValueError("give the prompt as an argument or with --file, not both")
-        try:
-            return Path(args.file).read_text()
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{args.file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        return read_text(args.file)
     if args.prompt is not None and args.prompt != "-":
-        return args.prompt
+        return _utf8(args.prompt, "the prompt")
     if sys.stdin.isatty() and args.prompt is None:
         raise ValueError("no prompt: give it as an argument, with --file, or on standard input")
     if not hasattr(sys.stdin, "buffer"):   # (a text stream put in its place)
@@ -280,6 +285,8 @@ def _print_turn(engine: Engine, tok: Tokenizer, ids: list[int], params: Sampling
 
 def cmd_chat(args: argparse.Namespace) -> int:
     check_decoding_flags(args)
+    if args.system:
+        _utf8(args.system, "--system")   # (else every turn would fail, and no /reset could help)
     loaded = _load(args)
     tok, engine = loaded.tokenizer, Engine(loaded.model, loaded.tokenizer)
     params = sampling_params(args, loaded.generation)
@@ -304,6 +311,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 1 if failed else 0
         line = line.strip()
         if not line:
+            continue
+        try:
+            _utf8(line, "the line")
+        except ValueError as exc:
+            failed += 1
+            print(f"error: {exc}", file=sys.stderr)
             continue
         if line.split()[0] in ("/exit", "/quit", "/reset") and len(line.split()) > 1:
             print(f"{dim}{line.split()[0]} takes nothing after it{reset}")

@@ -18,11 +18,11 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import httpx
 
 from clover.evaluation.client import InfraError, ModelError, list_models, stream_chat
+from clover.model.files import read_text
 
 WORDS = ("the of and to in is that for it as with was on be by this are or an from at which but not have all "
          "code data model block token stream agent tool value list file test result time number function").split()
@@ -84,6 +84,11 @@ def _one(client: httpx.Client, endpoint: str, body: dict, api_key: str | None) -
                          prompt_tokens=int(reply.usage.get("prompt_tokens", 0)), tpot=tpot,
                          itl=split_itl(gaps, chars[1:], out_tokens - first_tokens), chunk_gaps=gaps,
                          nfe=reply.usage.get("nfe"))
+
+
+# the request fields the benchmark writes (`run_bench`), and the options that set them
+BENCH_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options")
+BENCH_FIELDS_HOW = "--model, --output-len, --input-len or --prompts-file; one reply per request, streamed"
 
 
 def run_bench(endpoint: str, model: str, prompts: list[str], output_len: int, concurrency: int | None,
@@ -153,15 +158,18 @@ def bench_serve(endpoint: str, model: str | None, num_prompts: int, input_len: i
                 seed: int = 0) -> dict:
     if concurrency is None and rate is None:
         raise ValueError("give --concurrency or --rate")
-    model = served_model(endpoint, model, api_key)
+    own = sorted(set(extra_body) & set(BENCH_FIELDS))
+    if own:   # they would change what is measured while the conditions say otherwise
+        raise ValueError(f"--extra-body may not set {own}: the benchmark sets them itself ({BENCH_FIELDS_HOW})")
     rng = random.Random(seed)
-    if prompts_file:
-        lines = [x for x in Path(prompts_file).read_text().splitlines() if x.strip()]
+    if prompts_file:   # (read before the endpoint is asked anything)
+        lines = [x for x in read_text(prompts_file).splitlines() if x.strip()]
         if not lines:
             raise ValueError(f"{prompts_file} holds no prompts")
         prompts = [lines[i % len(lines)] for i in range(num_prompts + warmup)]
     else:
         prompts = [random_prompt(rng, input_len) for _ in range(num_prompts + warmup)]
+    model = served_model(endpoint, model, api_key)
     out = run_bench(endpoint, model, prompts, output_len, concurrency, rate, warmup, api_key, extra_body, seed)
     summary = summarise(out["records"], out["wall_s"], ttft_limit, tpot_limit)
     return {"benchmark": "serve", "endpoint": endpoint, "model": model,

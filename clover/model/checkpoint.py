@@ -58,8 +58,12 @@ REMOTE_CODE = [Path(__file__).with_name("remote_code") / f for f in ("configurat
 
 
 def default_model_dir() -> Path:
-    """The model used when none is named: $CLOVER_MODEL, else the shipped clover-tiny."""
-    return Path(os.environ.get("CLOVER_MODEL", DEFAULT_MODEL_DIR))
+    """The model used when none is named: $CLOVER_MODEL, else the shipped clover-tiny. An empty CLOVER_MODEL is
+    an error (it would name the working directory)."""
+    named = os.environ.get("CLOVER_MODEL")
+    if named is not None and not named.strip():
+        raise CheckpointError("CLOVER_MODEL is set but empty: name a model directory, or unset it for the shipped one")
+    return Path(named or DEFAULT_MODEL_DIR)
 
 
 def load_generation_config(directory: str | os.PathLike) -> dict:

@@ -55,6 +55,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def read_text(path: str | os.PathLike) -> str:
+    """A UTF-8 text file's text; a file that is not UTF-8 is a ValueError naming it and where it goes wrong
+    (a bare codec error names neither)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def json_lines(path: str | os.PathLike, skip_bad: bool = False) -> list[tuple[str, Any]]:
     """Each line of a JSON-lines file with its value, blank lines left out, and the last line left out where
     it does not parse and has no newline: a record a kill cut short mid-append (appends are not atomic; the

@@ -21,6 +21,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
+from clover.model.files import read_text
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -40,18 +41,18 @@ def read_chat_template(directory: str | os.PathLike) -> str:
     """A checkpoint's chat template, as transformers finds it: `chat_template.jinja`, else the
     `chat_template` of tokenizer_config.json, else Clover's default (also for the legacy template)."""
     directory = Path(directory)
-    if (directory / "chat_template.jinja").is_file():
-        return (directory / "chat_template.jinja").read_text()
     cfg = directory / "tokenizer_config.json"
-    template = None
-    if cfg.is_file():
-        try:
-            data = json.loads(cfg.read_text())
-        except json.JSONDecodeError as exc:
-            raise TokenizerError(f"{cfg} is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise TokenizerError(f"{cfg} must hold a JSON object, got {type(data).__name__}")
-        template = data.get("chat_template")
+    try:
+        if (directory / "chat_template.jinja").is_file():
+            return read_text(directory / "chat_template.jinja")
+        data = json.loads(read_text(cfg)) if cfg.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{cfg} is not valid JSON: {exc}") from exc
+    except ValueError as exc:   # (not UTF-8 text)
+        raise TokenizerError(str(exc)) from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{cfg} must hold a JSON object, got {type(data).__name__}")
+    template = data.get("chat_template")
     if not isinstance(template, str) or hashlib.sha256(template.encode()).hexdigest() == _LEGACY_TEMPLATE_SHA256:
         return DEFAULT_CHAT_TEMPLATE
     return template
