@@ -281,6 +281,13 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
         cfg.runs = 1
         harness.run_harness(cfg, cut, resume=True)
     assert len((cut / "results.jsonl").read_text().splitlines()) == 80   # 5 suites x 4 tasks x 2 conditions x 2 runs
+    # (a hostile pass, session 51: without metadata.json a resume took the new settings for the old runs')
+    (cut / "metadata.json").write_text("{cut")
+    with pytest.raises(ValueError, match="metadata.json cannot be read"):
+        harness.run_harness(_cfg(url), cut, resume=True)
+    (cut / "metadata.json").unlink()
+    with pytest.raises(ValueError, match="holds results.jsonl but no metadata.json"):
+        harness.run_harness(_cfg(url), cut, resume=True)
 
 
 @pytest.mark.parametrize("args,message", [

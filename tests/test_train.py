@@ -889,6 +889,9 @@ def test_corrupt_token_shards_are_named_not_looped_on(data_dir, tmp_path):
     code.write_bytes(b"\x01\x00\x02")
     with pytest.raises(ValueError, match="train_code.bin is not a token shard"):
         TokenData(bad, "train", {"code": 1.0}, 0)
+    code.write_bytes(b"")   # (distillation data of no code prompts was "not a token shard ... 0 bytes")
+    with pytest.raises(ValueError, match="train_code.bin is empty: no code tokens to train on"):
+        TokenData(bad, "train", {"code": 1.0}, 0)
 
 
 def test_a_missing_data_directory_says_how_to_make_it_or_where_it_was_moved(tmp_path, capsys):

@@ -115,8 +115,9 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--model", required=True, help="checkpoint whose ar outputs become the targets")
     d.add_argument("--data", required=True, help="directory from `clover data build`")
     d.add_argument("--out", required=True)
-    d.add_argument("--chat", type=nonnegative_int, default=1500, help="chat prompts")
-    d.add_argument("--code", type=nonnegative_int, default=300, help="code prompts")
+    d.add_argument("--chat", type=positive_int, default=1500, help="chat prompts (the distillation stage trains on "
+                   "chat and code: both at least 1)")
+    d.add_argument("--code", type=positive_int, default=300, help="code prompts")
     d.add_argument("--new-tokens", type=positive_int, default=64)
     d.add_argument("--batch", type=positive_int, default=32)
     d.add_argument("--seed", type=seed, default=0)

@@ -237,8 +237,14 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
         _check_reachable(cfg, endpoint)
     out.mkdir(parents=True, exist_ok=True)
     meta = _metadata(cfg)
-    if previous and (out / "metadata.json").is_file():  # a resumed run keeps its first metadata, notes each resume
-        first = json.loads((out / "metadata.json").read_text())
+    if previous and not (out / "metadata.json").is_file():   # its runs' settings unknown: they could not be checked
+        raise ValueError(f"{out} holds results.jsonl but no metadata.json: the settings its task runs were made with "
+                         "are unknown, so new runs could not be told to match them; choose another --out")
+    if previous:  # a resumed run keeps its first metadata, notes each resume
+        try:
+            first = json.loads((out / "metadata.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{out / 'metadata.json'} cannot be read ({exc}); the run cannot be resumed") from None
         was, now = _resume_settings(first), _resume_settings(meta)
         changed = [k for k in SAME_ON_RESUME if was[k] != now[k]]
         if changed:  # its task runs would be mixed with runs under other settings

@@ -346,6 +346,9 @@ class TokenData:
                 self.chat = _chat_shard(path)
             else:
                 size = path.stat().st_size
+                if size == 0:
+                    raise ValueError(f"{path} is empty: no {kind} tokens to train on (drop {kind} from the mix, or "
+                                     "build the data with some)")
                 if size < 4 or size % 2:
                     raise ValueError(f"{path} is not a token shard of `clover data build` (uint16 token ids): "
                                      f"{size} bytes")

@@ -64,8 +64,15 @@ def build_distill_data(model_dir: str | Path, data: str | Path, out: str | Path,
     prompts = _chat_prompts(data, tok, chat, rng, limit)
     replies = engine.generate(prompts, params)
     stream = np.fromfile(data / "tokens" / "train_code.bin", dtype=np.uint16).astype(np.int64)
-    code_prompts = []
+    if len(stream) <= code_prompt:
+        raise ValueError(f"{data / 'tokens' / 'train_code.bin'} holds {len(stream)} tokens: too few for code prompts "
+                         f"of {code_prompt}")
+    code_prompts, tries = [], 0
     while len(code_prompts) < code:
+        tries += 1
+        if tries > 100 * code:   # (else a stream whose every window holds an end of text loops for ever)
+            raise ValueError(f"found {len(code_prompts)} of {code} code windows of {code_prompt} tokens without an end "
+                             f"of text in {tries - 1} draws from {data / 'tokens' / 'train_code.bin'}")
         start = rng.randrange(0, len(stream) - code_prompt)
         window = stream[start: start + code_prompt].tolist()
         if eos not in window:
