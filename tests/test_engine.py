@@ -108,6 +108,20 @@ def test_a_stop_string_before_a_stop_token_in_one_run_leaves_no_stop_logprob():
     assert len(ev.result.logprobs) == 2
 
 
+def test_a_stop_string_seen_before_min_tokens_still_stops_the_reply_when_it_comes_again():
+    """A run of several tokens (a block) that holds a stop string twice, the first before min_tokens: the reply
+    stops at the second, where one-token decoding stops, with a shorter stop beside a longer one too (a review
+    found the first version looking for each stop's first occurrence only: the block ran to max_new_tokens)."""
+    seq = [23, 0, 23, 1, 2, 3, 4, 5, 6, 7, 8, 9]   # "xaxbcdefghij"
+    for algorithm in ("ar", "low_confidence"):
+        for stops in (("x",), ("x", "zzzzz")):
+            model = ScriptedModel(lambda j, pos: (seq[pos - 8], 0.99), ar_script=lambda pos: (seq[pos - 8], 0.99))
+            result = Engine(model, tokenizer=CharTokenizer()).generate([list(range(8))], SamplingParams(
+                max_new_tokens=12, algorithm=algorithm, block_size=8, stop=stops, min_tokens=3))[0]
+            assert (result.text, result.token_ids, result.finish_reason) == ("xa", [23, 0, 23], "stop"), \
+                (algorithm, stops)
+
+
 def test_overlapping_stop_strings_stop_where_one_token_decoding_stops():
     # "bcdefg" starts first but "de" completes first: a block that commits "abcdefgh" at once must stop where
     # `ar`, one token at a time, stops (after "e", the text before "de")

@@ -638,8 +638,14 @@ class Engine:
         longest = max(len(stop) for stop in s.params.stop)
         start = max(0, s.searched - longest + 1)
         s.searched = len(s.decoded)
-        hits = [(at, at + len(stop)) for stop in s.params.stop if (at := s.decoded.find(stop, start)) >= 0]
-        hits = [h for h in hits if s.ends_at[bisect.bisect_left(s.ends, h[1])] >= s.params.min_tokens]
+        # a stop counts where it ends in the first piece that reaches min_tokens or later (its end past the text
+        # of the pieces before that one), so each stop is looked for from there
+        first_counted = bisect.bisect_left(s.ends_at, s.params.min_tokens)
+        if first_counted == len(s.ends_at):
+            return None
+        floor = s.ends[first_counted - 1] + 1 if first_counted else 0   # (the least end that counts)
+        hits = [(at, at + len(stop)) for stop in s.params.stop
+                if (at := s.decoded.find(stop, max(start, floor - len(stop)))) >= 0]
         if not hits:
             return None
         piece = {hit: bisect.bisect_left(s.ends, hit[1]) for hit in hits}

@@ -574,7 +574,7 @@ class VerifyPolicy(_Blocks):
                                  if len(preds) else 0)
             if s.finish_reason is not None:   # finished here: keep the rows of what it committed (pending, and
                 # drafts up to the stop or max_tokens: the reply's last whole block is then in the prefix cache)
-                counts[i] = min(counts[i], p + len(s.generated) - before)   # (0 when the check failed)
+                counts[i] = max(0, min(counts[i], p + len(s.generated) - before))   # (0 when the check failed)
         if trail is not None:
             engine.keep(seqs, trail, counts)
         if key is not None:
