@@ -134,10 +134,11 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for: part of a character for some (decoded alone, those show as U+FFFD;
-        OpenAI's logprobs carry `bytes` so that a client can join them). A special token's are its text's."""
+        OpenAI's logprobs carry `bytes` so that a client can join them). A special token's are its text's; an
+        id the tokenizer lacks (a model's vocabulary padded past it) has none, as it decodes to ""."""
         piece = self.tk.id_to_token(token_id)
         if piece is None:
-            raise TokenizerError(f"token id {token_id} is not in the vocabulary of {self.vocab_size}")
+            return b""
         if token_id in self.special_ids.values():
             return piece.encode()
         table = _byte_of_char()
