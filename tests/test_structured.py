@@ -569,3 +569,38 @@ def test_a_grammar_prepared_on_another_thread_is_not_compiled_again_at_admission
     assert calls == []                                           # built once, on the other thread
     with pytest.raises(GrammarError):
         engine.prepare_grammar(Constraint("regex", "(unclosed"))
+
+
+def test_threads_asking_for_the_same_grammar_at_once_build_it_once(setup):
+    """n > 1, or agents sending the same tools at once: the first thread builds the matcher, the others wait for
+    it (a review found each building its own, up to 4 at once on 2 cores); a failure reaches every one."""
+    import time
+
+    from clover.engine.structured import GrammarCompiler
+
+    model, tok = setup
+    compiler = GrammarCompiler(tok, model.config.vocab_size, tok.eos_token_ids)
+
+    class Slow:   # llguidance, with a matcher that takes 0.2 s to build
+        def __init__(self, ll):
+            self.ll, self.built = ll, 0
+
+        def __getattr__(self, name):
+            return getattr(self.ll, name)
+
+        def LLMatcher(self, *args, **kw):  # noqa: N802 - llguidance's name
+            self.built += 1
+            time.sleep(0.2)
+            return self.ll.LLMatcher(*args, **kw)
+
+    compiler._ll = slow = Slow(compiler._ll)
+    constraint = Constraint.json_schema({"type": "object", "properties": {"k": {"type": "string"}}})
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: compiler.build(constraint), range(4)))
+    assert slow.built == 1 and all(m is got[0] for m in got)
+    bad = Constraint("json_schema", '{"type": "object", "required": ["x"], "properties": {}, '
+                                    '"additionalProperties": false}')   # (compiles, but matches no text)
+    with ThreadPoolExecutor(3) as pool:
+        errors = [f.exception() for f in [pool.submit(compiler.build, bad) for _ in range(3)]]
+    assert slow.built == 2 and all(isinstance(e, GrammarError) for e in errors)
+    assert not compiler._building

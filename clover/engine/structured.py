@@ -39,7 +39,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -192,6 +192,7 @@ class GrammarCompiler:
         self.eos_ids = frozenset(eos_ids)
         self._keep = keep
         self._built: OrderedDict[Constraint, Any] = OrderedDict()
+        self._building: dict[Constraint, Future] = {}   # constraints a thread is building now
         self._lock = threading.Lock()
 
     def build(self, constraint: Constraint) -> Any:
@@ -204,16 +205,32 @@ class GrammarCompiler:
             if m is not None:
                 self._built.move_to_end(constraint)
                 return m
-        m = _compiled(lambda g: self._ll.LLMatcher(self._tokenizer, g, log_level=0), _grammar(constraint))
-        if m.is_error():
-            raise GrammarError(f"{constraint.kind}: {m.get_error()}")
-        m.compute_bitmask()   # a grammar that matches no text fails only at its first mask (it read as
-        if m.is_error():      # complete: a 200 with an empty reply that does not match it)
-            raise GrammarError(f"{constraint.kind}: the grammar matches no text ({_headline(m)})")
+            building = self._building.get(constraint)
+            if building is None:   # this thread builds it; others asking meanwhile wait for it (n > 1, agents
+                building = self._building[constraint] = Future()   # sending the same tools at once)
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return building.result()   # (its GrammarError too)
+        try:
+            m = _compiled(lambda g: self._ll.LLMatcher(self._tokenizer, g, log_level=0), _grammar(constraint))
+            if m.is_error():
+                raise GrammarError(f"{constraint.kind}: {m.get_error()}")
+            m.compute_bitmask()   # a grammar that matches no text fails only at its first mask (it read as
+            if m.is_error():      # complete: a 200 with an empty reply that does not match it)
+                raise GrammarError(f"{constraint.kind}: the grammar matches no text ({_headline(m)})")
+        except BaseException as exc:
+            with self._lock:
+                del self._building[constraint]
+            building.set_exception(exc)
+            raise
         with self._lock:
             self._built[constraint] = m
             if len(self._built) > self._keep:
                 self._built.popitem(last=False)
+            del self._building[constraint]
+        building.set_result(m)
         return m
 
     def matcher(self, constraint: Constraint) -> Matcher:

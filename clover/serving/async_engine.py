@@ -129,7 +129,11 @@ class AsyncEngine:
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[Event]:
         """Events of one request; leaving the iteration early (a disconnected client) aborts it."""
         if params.constraint is not None:   # its grammar compiled here, not on the engine thread (the batch
-            await asyncio.to_thread(self.engine.prepare_grammar, params.constraint)   # would wait for it)
+            with self._lock:                # would wait for it), once the request would be let in
+                if self._stop:
+                    raise ShuttingDown("the server is shutting down")
+                self._admit()
+            await asyncio.to_thread(self.engine.prepare_grammar, params.constraint)
         rid = f"r{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
