@@ -221,6 +221,12 @@ def test_an_empty_clover_model_is_an_error_not_the_working_directory(monkeypatch
     assert "CLOVER_MODEL is set but empty" in capsys.readouterr().err
 
 
+def test_an_empty_clover_api_key_is_an_error_not_a_server_without_a_key(text_model, monkeypatch, capsys):
+    monkeypatch.setenv("CLOVER_API_KEY", " ")
+    assert cli_main(["serve", "--model", text_model]) == 1
+    assert "CLOVER_API_KEY is set but empty" in capsys.readouterr().err
+
+
 def test_chat_says_which_input_is_not_utf8(text_model):
     """Found by a hostile pass (session 51): a line or a --system that is not UTF-8 failed every turn as "a lone
     UTF-16 surrogate" (and /reset could not help against --system)."""

@@ -395,7 +395,10 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from clover.serving.app import serve
 
-    api_key = args.api_key or os.environ.get("CLOVER_API_KEY") or None
+    env = os.environ.get("CLOVER_API_KEY")
+    if args.api_key is None and env is not None and not env.strip():   # (exported, but empty: not "no key wanted")
+        raise ValueError("CLOVER_API_KEY is set but empty: give it a key, or unset it to serve without one")
+    api_key = args.api_key or env or None
     serve(args.model, args.host, args.port, api_key, args.max_batch_size, args.max_queue, args.dtype,
           args.device, args.served_model_name, args.prefix_cache_bytes, args.max_prefill_tokens or None,
           compile=args.compile)

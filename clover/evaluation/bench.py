@@ -160,7 +160,8 @@ def bench_serve(endpoint: str, model: str | None, num_prompts: int, input_len: i
         raise ValueError("give --concurrency or --rate")
     own = sorted(set(extra_body) & set(BENCH_FIELDS))
     if own:   # they would change what is measured while the conditions say otherwise
-        raise ValueError(f"--extra-body may not set {own}: the benchmark sets them itself ({BENCH_FIELDS_HOW})")
+        raise ValueError(f"--extra-body may not set {own}: they decide what is measured, which the benchmark's "
+                         f"options set ({BENCH_FIELDS_HOW})")
     rng = random.Random(seed)
     if prompts_file:   # (read before the endpoint is asked anything)
         lines = [x for x in read_text(prompts_file).splitlines() if x.strip()]

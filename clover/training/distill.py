@@ -62,7 +62,6 @@ def build_distill_data(model_dir: str | Path, data: str | Path, out: str | Path,
     t0 = time.perf_counter()
     params = SamplingParams(max_new_tokens=new_tokens, algorithm="ar")
     prompts = _chat_prompts(data, tok, chat, rng, limit)
-    replies = engine.generate(prompts, params)
     stream = np.fromfile(data / "tokens" / "train_code.bin", dtype=np.uint16).astype(np.int64)
     if len(stream) <= code_prompt:
         raise ValueError(f"{data / 'tokens' / 'train_code.bin'} holds {len(stream)} tokens: too few for code prompts "
@@ -77,6 +76,8 @@ def build_distill_data(model_dir: str | Path, data: str | Path, out: str | Path,
         window = stream[start: start + code_prompt].tolist()
         if eos not in window:
             code_prompts.append(window)
+    # (every prompt drawn before any is answered: a stream without code windows fails at once, not after the chat)
+    replies = engine.generate(prompts, params)
     continuations = engine.generate(code_prompts, params.with_(ignore_eos=True))
 
     all_ids, all_mask, offsets = [], [], [0]
