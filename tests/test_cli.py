@@ -215,6 +215,29 @@ def test_generate_reads_standard_input_as_utf8_and_says_so_when_it_is_not(text_m
     assert ok.returncode == 0, ok.stderr
 
 
+def test_a_decoding_default_out_of_range_is_the_checkpoints_error(text_model, tmp_path, capsys):
+    """Found by a hostile pass (session 51): a generation_config.json with threshold 5 failed each request as
+    "threshold must be between 0 and 1, got 5", as if the request had set it; `serve` served 400s for it."""
+    import shutil
+
+    from clover.model.config import GenerationConfig
+    from clover.model.tokenizer import Tokenizer
+
+    bad = tmp_path / "bad"
+    shutil.copytree(text_model, bad)
+    gen = json.loads((bad / "generation_config.json").read_text())
+    (bad / "generation_config.json").write_text(json.dumps({**gen, "threshold": 5}))
+    assert cli_main(["generate", "hi", "--model", str(bad), "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}/generation_config.json: threshold must be between 0 and 1, got 5" in err and err.count("\n") == 1
+    from clover.model.checkpoint import load_checkpoint
+    from clover.serving.app import ServerConfig, build_app
+
+    with pytest.raises(ValueError, match="generation_config.json: threshold must be between 0 and 1, got 5"):
+        build_app(load_checkpoint(bad), Tokenizer.load(bad), ServerConfig(model_name="m"),
+                  generation_defaults=GenerationConfig.from_dict({**gen, "threshold": 5}))
+
+
 def test_an_empty_clover_model_is_an_error_not_the_working_directory(monkeypatch, capsys):
     monkeypatch.setenv("CLOVER_MODEL", "")
     assert cli_main(["generate", "hi"]) == 1

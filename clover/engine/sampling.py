@@ -115,6 +115,15 @@ class SamplingParams:
                                        "which commits tokens from the block preview")
 
 
+def check_generation_defaults(generation: GenerationConfig, vocab_size: int, source: str) -> None:
+    """A checkpoint's decoding defaults, checked as a request's values are (InvalidParameter naming `source`): a
+    bad one would fail every request that leaves it unset, reported as that request's own error."""
+    try:
+        SamplingParams(**generation.merged()).validate(vocab_size)
+    except InvalidParameter as exc:
+        raise InvalidParameter(exc.param, f"{source}: {exc} (a decoding default of the checkpoint)") from None
+
+
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
     """logits [M,V] fp32; counts [V] occurrences of each token in the response so far (None where
     `params` has no penalties: nothing reads them).

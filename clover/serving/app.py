@@ -41,6 +41,7 @@ from clover.engine.sampling import (
     InvalidParameter,
     SamplingParams,
     TokenLogprob,
+    check_generation_defaults,
 )
 from clover.engine.structured import Constraint
 from clover.model.chat import ChatFormatError, OutputDelta, StreamingParser
@@ -160,10 +161,12 @@ class _EventStream(StreamingResponse):
 def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig, max_batch_size: int = 32,
               generation_defaults: GenerationConfig | dict | None = None, prefix_cache_bytes: int = 0,
               max_prefill_tokens: int | None = None) -> FastAPI:
-    engine = AsyncEngine(Engine(model, tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes,
-                                max_prefill_tokens=max_prefill_tokens), max_waiting=cfg.max_waiting)
     defaults = generation_defaults if isinstance(generation_defaults, GenerationConfig) else \
         GenerationConfig.from_dict(generation_defaults or {})
+    # (a bad default would make every request that leaves it unset a 400 blaming the request)
+    check_generation_defaults(defaults, model.config.vocab_size, "generation_config.json")
+    engine = AsyncEngine(Engine(model, tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes,
+                                max_prefill_tokens=max_prefill_tokens), max_waiting=cfg.max_waiting)
     ctx = model.config.max_position_embeddings
     metrics = ServerMetrics(engine, cfg.model_name)
 
