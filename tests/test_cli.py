@@ -407,6 +407,7 @@ def test_out_of_range_arguments_are_usage_errors_naming_the_flag(text_model, arg
     (["generate", "hi", "--model", ""], "the model directory is empty"),
     (["init", "OUT", "--override", '{"layer_types": 3}'], "layer_types must be a list"),
     (["init", "OUT", "--override", '{"nope": 3}'], "unknown config field(s) ['nope']"),
+    (["init", "OUT", "--override", '{"max_position_embeddings": 4}'], "must be at least block_size"),   # (session 51)
     (["init", "OUT", "--layout", "LF", "--override", '{"num_hidden_layers": 4}'], "drop them from --override"),
     (["init", "OUT", "--override", '{"mask_token_id": 5}'], "differs from the tokenizer's"),
     (["init", "OUT", "--override", '{"eos_token_id": 5}'], "eos_token_id 5 differs from the tokenizer's"),

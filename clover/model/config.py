@@ -189,6 +189,9 @@ class CloverConfig:
             raise ConfigError(f"model_type must be {MODEL_TYPE!r}, got {self.model_type!r}")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act must be 'silu' (the Qwen3.5-MoE activation), got {self.hidden_act!r}")
+        if self.max_position_embeddings < self.block_size:   # (`clover check` failed on an empty input)
+            raise ConfigError(f"max_position_embeddings ({self.max_position_embeddings}) must be at least block_size "
+                              f"({self.block_size}): a block must fit in the context")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
