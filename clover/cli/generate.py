@@ -21,7 +21,7 @@ from clover.model.chat import StreamingParser, parse_output, validate_tools
 from clover.model.checkpoint import Loaded, default_model_dir, load_for_generation
 from clover.model.config import GenerationConfig
 from clover.model.files import read_text
-from clover.model.tokenizer import Tokenizer
+from clover.model.tokenizer import Tokenizer, lone_surrogate
 
 DIM, RESET = "\033[2m", "\033[0m"
 
@@ -127,7 +127,7 @@ def _read_tools(path: str) -> list[dict]:
 def _utf8(text: str, what: str) -> str:
     """`text` from the command line or standard input, where bytes that are not UTF-8 arrive as lone surrogates
     (Python's surrogateescape): refused here, naming where they came from."""
-    if any("\ud800" <= ch <= "\udfff" for ch in text):
+    if lone_surrogate(text):
         raise ValueError(f"{what} is not UTF-8 text")
     return text
 

@@ -228,9 +228,9 @@ def written_raw(schema: Any) -> bool:
 
 
 def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kinds = kind if isinstance(kind, list) else [kind]
     if written_raw(schema):
-        kind = schema.get("type") if isinstance(schema, dict) else None
-        kinds = kind if isinstance(kind, list) else [kind]
         if "string" in kinds and len(kinds) > 1:   # e.g. ["string", "null"]: a JSON value of another allowed
             try:                                    # type, or a JSON string, is read as JSON; else it is the text
                 parsed = json.loads(value)
@@ -239,9 +239,6 @@ def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
             if isinstance(parsed, str) or (parsed is None and "null" in kinds):
                 return parsed, None
         return value, None
-    assert isinstance(schema, dict)
-    kind = schema.get("type")
-    kinds = kind if isinstance(kind, list) else [kind]
     if kind is None:  # a schema without a type (anyOf, enum, $ref...): JSON if it parses, else the text
         try:
             return json.loads(value), None

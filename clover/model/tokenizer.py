@@ -75,6 +75,12 @@ def _byte_of_char() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
 
 
+def lone_surrogate(text: str) -> bool:
+    """Whether `text` holds a UTF-16 surrogate alone: not a character (JSON allows the escape, and bytes that are
+    not UTF-8 arrive so from the command line and standard input, through Python's surrogateescape)."""
+    return any("\ud800" <= ch <= "\udfff" for ch in text)
+
+
 class TokenizerError(ValueError):
     """A tokenizer directory is missing or inconsistent."""
 
@@ -108,7 +114,7 @@ class Tokenizer:
         try:
             return self.tk.encode(text, add_special_tokens=False).ids
         except TypeError as exc:   # the Rust side's message for a lone surrogate: say what it is
-            if isinstance(text, str) and any("\ud800" <= ch <= "\udfff" for ch in text):
+            if isinstance(text, str) and lone_surrogate(text):
                 raise TokenizerError("the text holds a lone UTF-16 surrogate, which is not a character") from exc
             raise
 

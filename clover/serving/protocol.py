@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticUndefined
 
+from clover.model.tokenizer import lone_surrogate
+
 MAX_N = 8
 MAX_STOP_CHARS = 1024
 
@@ -258,7 +260,7 @@ def _lone_surrogate(data: Any) -> bool:
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            if any("\ud800" <= ch <= "\udfff" for ch in item):
+            if lone_surrogate(item):
                 return True
         elif isinstance(item, dict):
             stack.extend(item.keys())
