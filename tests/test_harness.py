@@ -5,6 +5,7 @@ matches an uninterrupted one."""
 import contextlib
 import json
 import math
+import os
 import shutil
 import time
 import types
@@ -282,9 +283,11 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
         harness.run_harness(cfg, cut, resume=True)
     assert len((cut / "results.jsonl").read_text().splitlines()) == 80   # 5 suites x 4 tasks x 2 conditions x 2 runs
     # (a hostile pass, session 51: without metadata.json a resume took the new settings for the old runs')
-    (cut / "metadata.json").write_text("{cut")
-    with pytest.raises(ValueError, match="metadata.json cannot be read"):
-        harness.run_harness(_cfg(url), cut, resume=True)
+    # JSON that is not a run's metadata was a traceback (session 52); text that is not UTF-8 names the file
+    for bad in (b"{cut", b"[1, 2]", b'{"endpoints": [1]}', b'{"endpoints": 3}', b"\xff{}"):
+        (cut / "metadata.json").write_bytes(bad)
+        with pytest.raises(ValueError, match="metadata.json cannot be read"):
+            harness.run_harness(_cfg(url), cut, resume=True)
     (cut / "metadata.json").unlink()
     with pytest.raises(ValueError, match="holds results.jsonl but no metadata.json"):
         harness.run_harness(_cfg(url), cut, resume=True)
@@ -336,6 +339,17 @@ def test_eval_tasks_runs_the_harness_against_the_model_served_in_process(tmp_pat
             (model / "chat_template.jinja").write_text((model / "chat_template.jinja").read_text() + "\n")
         assert cli_main(args + change) == 0
         assert "starting afresh" in capsys.readouterr().err
+
+
+def test_eval_tasks_to_a_stream_keeps_its_task_runs_in_a_temporary_directory(tmp_path):
+    """`--out /dev/stdout` or any path that is not a regular file (here /dev/null): the result goes there, and the
+    harness's runs into a temporary directory, not `/dev/null.runs` beside it (found by a hostile pass)."""
+    model = tmp_path / "m"
+    assert cli_main(["init", str(model), "--preset", "debug", "--seed", "1"]) == 0
+    before = set(os.listdir("/dev"))
+    assert cli_main(["eval", "tasks", "--model", str(model), "--count", "1", "--thinking", "off", "--max-tokens", "4",
+                     "--step-limit", "1", "--algorithm", "ar", "--out", os.devnull]) == 0
+    assert set(os.listdir("/dev")) == before
 
 
 def test_eval_agent_that_measured_nothing_exits_non_zero(endpoint, tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable
@@ -142,7 +143,7 @@ def _fresh_unless_same(root: Path, identity: dict) -> None:
 def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
     """`clover eval tasks`: the harness's `synthetic` suite against the checkpoint served in process (the
     one agent loop of the project), once with thinking on and once off; the harness's run directories
-    go next to --out (or into a temporary directory)."""
+    go next to --out (or into a temporary directory when there is none, or it is a stream)."""
     import tempfile
 
     from clover.evaluation.harness import Endpoint, HarnessConfig, run_harness
@@ -157,7 +158,9 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
                     generation_defaults=loaded.generation)
     runs = []
     with tempfile.TemporaryDirectory() as tmp, serve_in_thread(app) as url:
-        root = Path(args.out + ".runs") if args.out else Path(tmp)
+        # (run directories go beside a file; beside a stream such as /dev/stdout they are temporary)
+        beside = args.out and not (os.path.exists(args.out) and not os.path.isfile(args.out))
+        root = Path(args.out + ".runs") if beside else Path(tmp)
         # (the dtype and the files that shape prompts and decoding too: a run in float32 stood in for bfloat16)
         directory = Path(args.model) if args.model else default_model_dir()
         shaping = [directory / n for n in ("generation_config.json", "chat_template.jinja", "tokenizer.json")]

@@ -28,7 +28,7 @@ import httpx
 
 from clover.evaluation.client import InfraError, ModelError, OutOfTime, StreamedReply, list_models, stream_chat
 from clover.evaluation.suites import Environment, HarnessTask, check_suite, suite_tasks
-from clover.model.files import json_lines, write_text_atomic
+from clover.model.files import json_lines, read_text, write_text_atomic
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
            "infrastructure_error")
@@ -242,10 +242,12 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
                          "are unknown, so new runs could not be told to match them; choose another --out")
     if previous:  # a resumed run keeps its first metadata, notes each resume
         try:
-            first = json.loads((out / "metadata.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{out / 'metadata.json'} cannot be read ({exc}); the run cannot be resumed") from None
-        was, now = _resume_settings(first), _resume_settings(meta)
+            first = json.loads(read_text(out / "metadata.json"))
+            was = _resume_settings(first)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:   # (not JSON, or not a run's metadata)
+            raise ValueError(f"{out / 'metadata.json'} cannot be read ({type(exc).__name__}: {exc}); the run cannot "
+                             "be resumed") from None
+        now = _resume_settings(meta)
         changed = [k for k in SAME_ON_RESUME if was[k] != now[k]]
         if changed:  # its task runs would be mixed with runs under other settings
             raise ValueError(f"{out} holds a run with other {', '.join(changed)}; resume it with the same settings "
