@@ -519,6 +519,14 @@ def test_masks_along_a_grammar_that_completes_leaves_its_state_as_it_was(setup):
         assert all(bool(mask[eos]) and int(mask.sum()) <= len(tok.eos_token_ids) for mask in masks[len(drafts) - 1:])
         m.consume(drafts)   # no error: the state is the one before the masks
         assert m.finished
+    # a grammar already complete: every row allows only the end, past draft ends and a token after them (the rows
+    # after the first were unmasked, and a check kept a token after a kept end: session 52)
+    m = compiler.matcher(Constraint("choice", json.dumps(["yes", "no"])))
+    m.consume(tok.encode("yes"))
+    other = tok.encode("a")[0]
+    masks, complete = m.masks_along([eos, eos, other, eos])
+    assert len(masks) == 5 and complete == [True] * 5
+    assert all(bool(mask[eos]) and int(mask.sum()) <= len(tok.eos_token_ids) for mask in masks)
     a, b = compiler.matcher(Constraint("regex", "a+")), compiler.matcher(Constraint("regex", "a+"))
     a.consume(tok.encode("a"))
     assert b.valid_prefix([eos]) == 0 and a.valid_prefix([eos]) == 1   # a kept grammar is copied per request

@@ -288,9 +288,9 @@ class Matcher:
 
     def masks_along(self, drafts: list[int]) -> tuple[list[torch.Tensor], list[bool]]:
         """The allowed sets at each draft position and after the last valid one: mask i is the set after
-        drafts[:i], for i = 0 .. (number of leading drafts the grammar accepts); with each, whether the
-        grammar is complete there (`finished`: the reply may end whatever min_tokens says, as in `ar`).
-        The state is unchanged."""
+        drafts[:i], for i = 0 .. (number of leading drafts the grammar accepts), and for every i where the
+        grammar is complete there; with each, whether the grammar is complete there (`finished`: the reply
+        may end whatever min_tokens says, as in `ar`). The state is unchanged."""
         valid = self._m.validate_tokens(drafts)
         masks, complete = [self.allowed()], [self.finished]
         consumed = 0
@@ -300,6 +300,13 @@ class Matcher:
                 consumed += 1
             masks.append(self.allowed())
             complete.append(self.finished)
+        # complete after the valid drafts: only the end may follow, so every later row gets that set (the drafts
+        # there are more ends, or one its row rejects); those rows were left unmasked, and a check that kept a
+        # draft end took a token after it, which the grammar then refused (session 52)
+        if self.finished:
+            rest = len(drafts) - valid
+            masks += [masks[-1]] * rest
+            complete += [True] * rest
         if consumed:
             self._m.rollback(consumed)
         return masks, complete
