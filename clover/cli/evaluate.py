@@ -147,7 +147,6 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
     import tempfile
 
     from clover.evaluation.harness import Endpoint, HarnessConfig, run_harness
-    from clover.model.checkpoint import default_model_dir
     from clover.serving.app import ServerConfig, build_app
     from clover.serving.local import serve_in_thread
     from clover.training.synthetic import FAMILIES
@@ -162,8 +161,7 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
         beside = args.out and not (os.path.exists(args.out) and not os.path.isfile(args.out))
         root = Path(args.out + ".runs") if beside else Path(tmp)
         # (the dtype and the files that shape prompts and decoding too: a run in float32 stood in for bfloat16)
-        directory = Path(args.model) if args.model else default_model_dir()
-        shaping = [directory / n for n in ("generation_config.json", "chat_template.jinja", "tokenizer.json")]
+        shaping = [loaded.directory / n for n in ("generation_config.json", "chat_template.jinja", "tokenizer.json")]
         _fresh_unless_same(root, {"weights_sha256": weights_digest(args.model), "count": args.count,
                                   "step_limit": args.step_limit, "max_tokens": args.max_tokens,
                                   "condition": condition, "dtype": str(loaded.model.dtype).removeprefix("torch."),

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -18,7 +17,7 @@ from clover.engine.sampling import ALGORITHMS, InvalidParameter, SamplingParams,
 from clover.engine.structured import auto_tool_calls
 from clover.engine.trace import render_steps_ansi, write_trace_html
 from clover.model.chat import StreamingParser, parse_output, validate_tools
-from clover.model.checkpoint import Loaded, default_model_dir, load_for_generation
+from clover.model.checkpoint import Loaded, load_for_generation
 from clover.model.config import GenerationConfig
 from clover.model.files import read_text
 from clover.model.tokenizer import Tokenizer, lone_surrogate
@@ -49,8 +48,8 @@ def _load(args: argparse.Namespace) -> Loaded:
     # the structured-output warnings ("clover.engine", e.g. tool calls not held to their schemas) still show.
     logging.getLogger("clover.engine.engine").addHandler(logging.NullHandler())
     loaded = load_for_generation(args.model, args.dtype, args.device)
-    where = Path(args.model) if args.model else default_model_dir()
-    check_generation_defaults(loaded.generation, loaded.model.config.vocab_size, str(where / "generation_config.json"))
+    check_generation_defaults(loaded.generation, loaded.model.config.vocab_size,
+                              str(loaded.directory / "generation_config.json"))
     if args.compile:   # the passes compile on first use (the engine's warm_up would build every policy's)
         dim, reset = _dimmed(sys.stderr)
         print(f"{dim}compiling the decoding passes as they are first used (cached on disk for later runs)...{reset}",

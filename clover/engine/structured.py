@@ -206,11 +206,9 @@ class GrammarCompiler:
                 self._built.move_to_end(constraint)
                 return m
             building = self._building.get(constraint)
-            if building is None:   # this thread builds it; others asking meanwhile wait for it (n > 1, agents
-                building = self._building[constraint] = Future()   # sending the same tools at once)
-                mine = True
-            else:
-                mine = False
+            mine = building is None   # this thread builds it; others asking meanwhile wait for it (n > 1, agents
+            if mine:                  # sending the same tools at once)
+                building = self._building[constraint] = Future()
         if not mine:
             return building.result()   # (its GrammarError too)
         try:

@@ -449,6 +449,7 @@ class Loaded:
     model: CloverForCausalLM
     tokenizer: Tokenizer
     generation: GenerationConfig
+    directory: Path   # where it was loaded from (the shipped model's, or $CLOVER_MODEL's, when none was named)
 
 
 def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str = "cpu") -> Loaded:
@@ -476,4 +477,4 @@ def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str 
         generation = GenerationConfig.from_dict(load_generation_config(directory))
     except ConfigError as exc:
         raise CheckpointError(f"{directory / 'generation_config.json'}: {exc}") from None
-    return Loaded(model, tokenizer, generation)
+    return Loaded(model, tokenizer, generation, directory)

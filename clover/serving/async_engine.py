@@ -118,6 +118,13 @@ class AsyncEngine:
         """Requests accepted but not yet running (scoring calls included)."""
         return len(self._submit) + len(self.engine.waiting) + len(self._calls)
 
+    def _let_in(self, admit: bool = True) -> None:
+        """ShuttingDown once the server stops, else (with `admit`) `_admit` (the caller holds the lock)."""
+        if self._stop:
+            raise ShuttingDown("the server is shutting down")
+        if admit:
+            self._admit()
+
     def _admit(self) -> None:
         """QueueFull when the queue holds max_waiting requests (the caller holds the lock). Requests that free
         batch slots will take at the next step are not waiting: a burst fills the batch and then the queue."""
@@ -130,16 +137,12 @@ class AsyncEngine:
         """Events of one request; leaving the iteration early (a disconnected client) aborts it."""
         if params.constraint is not None:   # its grammar compiled here, not on the engine thread (the batch
             with self._lock:                # would wait for it), once the request would be let in
-                if self._stop:
-                    raise ShuttingDown("the server is shutting down")
-                self._admit()
+                self._let_in()
             await asyncio.to_thread(self.engine.prepare_grammar, params.constraint)
         rid = f"r{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            if self._stop:
-                raise ShuttingDown("the server is shutting down")
-            self._admit()
+            self._let_in()
             self._streams[rid] = stream
             self._records[rid] = RequestRecord(submitted=time.perf_counter())
             self._submit.append((rid, list(prompt_ids), params))
@@ -168,10 +171,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
-            if self._stop:
-                raise ShuttingDown("the server is shutting down")
-            if admit:
-                self._admit()
+            self._let_in(admit)
             self._calls.append((fn, future))
         self._wake.set()
         return await future
