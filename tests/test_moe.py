@@ -35,7 +35,9 @@ def test_grouped_dense_and_gathered_dispatch_equal_reference_outputs_and_grads(t
     grads_ref = torch.autograd.grad((out_ref * probe).sum(), inputs)
     grads_gathered = torch.autograd.grad((gathered * probe).sum(), inputs)
     for name, a, b, c in zip(["x", "gate_up", "down", "weights"], grads, grads_ref, grads_gathered, strict=True):
-        assert_close(a, b, atol=1e-6, what=f"grad {name}")
+        # (the grouped dispatch scales the [n,I] product by the weight, the reference the [n,D] output: the
+        # weights' gradient sums other terms whose float32 rounding reaches ~10, as for einsum below)
+        assert_close(a, b, atol=1e-5 if name == "weights" else 1e-6, what=f"grad {name}")
         # (einsum sums in another order: float32 rounding of sums whose terms reach ~10, so 1e-5 absolute)
         assert_close(c, b, atol=1e-5, what=f"gathered grad {name}")
 
