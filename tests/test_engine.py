@@ -73,8 +73,13 @@ def test_stop_token_ids_and_stop_strings_are_exact():
         result = engine.generate([list(range(8))], params)[0]
         assert result.text == "abc" and result.finish_reason == "stop", algorithm
         assert result.token_ids == [0, 1, 2, 3, 4, 5]  # up to the token that completes the stop string
+        assert result.stop_token is None and result.completion_tokens == 6
         result = engine.generate([list(range(8))], params.with_(stop=(), stop_token_ids=(4,)))[0]
         assert result.token_ids == [0, 1, 2, 3] and result.text == "abcd" and result.finish_reason == "stop"
+        # the stop token is not output, but it was generated: usage counts it (vLLM keeps it in token_ids)
+        assert result.stop_token == 4 and result.completion_tokens == 5
+        result = engine.generate([list(range(8))], params.with_(stop=()))[0]
+        assert result.finish_reason == "length" and result.stop_token is None and result.completion_tokens == 12
 
 
 def test_a_stop_string_completed_before_min_tokens_does_not_count():
@@ -105,6 +110,7 @@ def test_a_stop_string_before_a_stop_token_in_one_run_leaves_no_stop_logprob():
     (ev,) = events
     assert ev.request_id == rid and ev.finished and ev.result.finish_reason == "stop"
     assert ev.result.text == "a" and ev.result.token_ids == [0, 1] and ev.result.stop_logprob is None
+    assert ev.result.stop_token is None and ev.result.completion_tokens == 2
     assert len(ev.result.logprobs) == 2
 
 

@@ -578,6 +578,7 @@ class Engine:
         causal head's logits that predicted them (for params.logprobs)."""
         cut = next((j for j, t in enumerate(tokens) if self.is_stop_token(s, t)), None)
         keep = len(tokens) if cut is None else cut
+        s.stop_token = None if cut is None else tokens[cut]
         if s.params.logprobs is not None and logits is not None:
             scored = token_logprobs(logits[: keep + (cut is not None)], tokens[: keep + (cut is not None)],
                                     s.params.logprobs)
@@ -601,7 +602,7 @@ class Engine:
                 # keep the tokens up to the one that completes the stop string; the text ends before it
                 m = s.ends_at[bisect.bisect_left(s.ends, end)]
                 del s.generated[m:], s.accept_steps[m:], s.logprobs[m:]
-                s.stop_logprob = None   # a stop token after it in the same run did not end the reply
+                s.stop_logprob = s.stop_token = None   # a stop token after it in the same run did not end the reply
                 self.finish(s, [], [], "stop", events, text=s.decoded[:at])
                 return
         if stopped:
@@ -707,7 +708,7 @@ class Engine:
             text=s.text if self.tokenizer is not None else None, finish_reason=reason, stats=s.stats,
             accept_steps=list(s.accept_steps) if record else None, trace=s.trace if record else None,
             logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-            stop_logprob=s.stop_logprob,
+            stop_logprob=s.stop_logprob, stop_token=s.stop_token,
         )
         start = s.emitted
         events.append(Event(s.rid, self._new_tokens(s), delta, True, result, error, self._logprobs(s, start), invalid))

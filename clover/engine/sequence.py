@@ -81,6 +81,13 @@ class GenerationResult:
     trace: list[StepRecord] | None = None
     logprobs: list[TokenLogprob] | None = None   # per generated token, when params.logprobs is set
     stop_logprob: tuple[int, TokenLogprob] | None = None   # the stop token that ended it, with its logprob
+    stop_token: int | None = None   # the stop token (end of sequence or a stop_token_ids entry) that ended it:
+    # not in token_ids or the text, but a token the model generated (the OpenAI usage counts it, as vLLM does)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated, as an OpenAI server's usage counts them: token_ids and the stop token that ended it."""
+        return len(self.token_ids) + (self.stop_token is not None)
 
 
 @dataclass
@@ -114,6 +121,7 @@ class SequenceState:
     matcher: Matcher | None = None             # the grammar state of a constrained sequence
     pending: Pending | None = None             # a lazy grammar not yet started (its trigger not yet emitted)
     stop_logprob: tuple[int, TokenLogprob] | None = None   # the stop token that ended it (params.logprobs)
+    stop_token: int | None = None              # the stop token that ended it
     trace: list[StepRecord] = field(default_factory=list)
     text: str = ""                             # text already emitted
     emitted: int = 0                           # tokens already emitted
