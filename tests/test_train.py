@@ -821,6 +821,7 @@ def test_a_corrupt_trainer_state_is_named_before_anything_runs(data_dir, tmp_pat
                              ([1, 2], "not a trainer state"),
                              ({**saved, "step": -5}, "not a trainer state"), ({**saved, "step": "3"}, "not a trainer state"),
                              ({**saved, "config": {**saved["config"], "new_knob": 1}}, "does not know: \\['new_knob'\\]"),
+                             ({**saved, "cwd": 7}, "its working directory is not a path"),
                              ({**saved, "step": 9}, "at step 9, past --steps 6")):
         if isinstance(content, bytes):
             state.write_bytes(content)
@@ -856,6 +857,24 @@ def test_resume_takes_the_data_by_where_it_is_and_refuses_it_rebuilt_with_anothe
     Tokenizer.train(["something else entirely, other merges"] * 40, vocab_size=300).save(data / "tokenizer")
     with pytest.raises(TokenizerError, match="another tokenizer"):
         train(_cfg(data, tmp_path / "run", steps=6, save_every=3, eval_every=3), resume=True)
+
+
+def test_a_run_started_with_a_relative_data_path_resumes_from_another_directory(data_dir, tmp_path, monkeypatch):
+    """The saved relative path was resolved against today's working directory (left open by session 51): started
+    as `--data data` in the project, resumed from its parent as `--data project/data`, the run was refused as
+    "different settings". The trainer state now keeps the directory the run was started in."""
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(data_dir, project / "data")
+    monkeypatch.chdir(project)
+    train(_cfg("data", "run", steps=3, save_every=3, eval_every=3))
+    monkeypatch.chdir(tmp_path)
+    record = train(_cfg("project/data", "project/run", steps=4, save_every=3, eval_every=3), resume=True)
+    assert record["step"] == 4
+    with pytest.raises(ValueError, match="data: 'project/data' there, 'other' now"):   # (as the last sitting spelt it)
+        shutil.copytree(data_dir, tmp_path / "other")
+        train(_cfg("other", "project/run", steps=5, save_every=3, eval_every=3), resume=True)
 
 
 def test_corrupt_token_shards_are_named_not_looped_on(data_dir, tmp_path):

@@ -166,9 +166,14 @@ def _setup_distributed() -> _Dist:
     return _Dist(rank, world, device)
 
 
-def _same_path(a: str, b: str) -> bool:
-    """Whether two path settings name the same directory (not a `preset:` name)."""
-    return not a.startswith("preset:") and not b.startswith("preset:") and Path(a).resolve() == Path(b).resolve()
+def _same_path(saved: str, now: str, saved_cwd: str | None) -> bool:
+    """Whether a path setting of a saved run and today's name the same directory (not a `preset:` name). A saved
+    relative path is taken from the directory the run was started in (`saved_cwd`, kept in its trainer state since
+    2026-12-07; older states: today's), so a run resumed from elsewhere may name its data another way."""
+    if saved.startswith("preset:") or now.startswith("preset:"):
+        return False
+    base = Path(saved_cwd) if saved_cwd is not None else Path.cwd()
+    return (base / saved).resolve() == Path(now).resolve()   # (an absolute `saved` ignores the base)
 
 
 def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -> CloverForCausalLM:
@@ -363,7 +368,8 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         # e.g. with a trailing slash or through a link)
         changed = [f.name for f in dataclasses.fields(cfg)
                    if f.name not in ("steps", "out", "compile") and getattr(saved, f.name) != getattr(cfg, f.name)
-                   and not (f.name in ("data", "init") and _same_path(getattr(saved, f.name), getattr(cfg, f.name)))]
+                   and not (f.name in ("data", "init")
+                            and _same_path(getattr(saved, f.name), getattr(cfg, f.name), state.get("cwd")))]
         if changed:
             raise ValueError(f"--resume with different settings than the run in {out} ("
                              + ", ".join(f"{k}: {getattr(saved, k)!r} there, {getattr(cfg, k)!r} now" for k in changed)
@@ -466,7 +472,8 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
 def _save(model: CloverForCausalLM, optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int, ckpt: Path,
           tokenizer: Tokenizer) -> None:
     buf = io.BytesIO()
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(cfg)}, buf)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(cfg),
+                "cwd": os.getcwd()}, buf)   # (what the config's relative paths are relative to)
     save_checkpoint(model, ckpt, extra_files={"trainer_state.pt": buf.getvalue(), **tokenizer.files()})
 
 
@@ -488,6 +495,8 @@ def _read_state(path: Path) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("optimizer"), dict) \
             or not isinstance(state.get("config"), dict) or type(state.get("step")) is not int or state["step"] < 0:
         raise CheckpointError(f"{path} is not a trainer state of `clover train` (step, optimizer, config)")
+    if not isinstance(state.get("cwd", ""), str):
+        raise CheckpointError(f"{path}: its working directory is not a path ({state['cwd']!r})")
     unknown = sorted(set(state["config"]) - fields)
     if unknown:
         raise CheckpointError(f"{path} has settings this version of Clover does not know: {unknown}")
