@@ -459,6 +459,24 @@ def test_compiled_one_token_step_equals_the_eager_step(debug_config):
     _compare_compiled_with_eager(debug_config, ("step",))   # one graph: about 30 s on 2 cores
 
 
+def test_a_compiled_check_of_many_tokens_runs_the_grouped_experts_inside_its_graph(debug_config, monkeypatch):
+    """Beyond the dense mix's bound a compiled pass without gradients calls the grouped dispatch as an operator
+    (`clover::experts_grouped`): no graph break. The break made dynamo give up the layer loop ("graph break in
+    loop"), so a batch-8 `verify` check or block preview of clover-tiny ran eagerly, each layer's code after
+    the break compiled on its own up to the recompile limit (session 53). Results equal the eager pass's."""
+    from torch._dynamo.utils import counters
+
+    from clover.model import moe
+
+    monkeypatch.setattr(moe, "_COMPILED_DENSE_WASTE", 0)   # (debug experts are tiny: every pass would be dense)
+    torch._dynamo.reset()
+    counters.clear()
+    # 3 rows x 6 tokens: more than E / K = 4, so grouped (the dense bound is 0): the operator, or a break
+    _compare_compiled_with_eager(debug_config, ("check",))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 def test_compiled_preview_check_and_fused_passes_equal_the_eager_ones(debug_config):
     _compare_compiled_with_eager(debug_config, ("step", "check", "preview", "fused"))   # several minutes on 2 cores

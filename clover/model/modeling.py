@@ -299,6 +299,15 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 Mixer = Callable[[int, DecoderLayer, torch.Tensor, Rope], torch.Tensor]
 
 
+def _raise_recompile_limit(limit: int) -> None:
+    """Let dynamo compile each function for up to `limit` guard sets (a global setting; never lowered)."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"   # (older torch)
+    if getattr(dynamo_config, name) < limit:
+        setattr(dynamo_config, name, limit)
+
+
 def _is_compile_error(exc: BaseException) -> bool:
     """Whether `exc` says torch.compile could not build a graph (dynamo or inductor, a C++ compiler
     failing), as opposed to an error of the computation itself."""
@@ -666,12 +675,7 @@ class CloverForCausalLM(nn.Module):
         except RuntimeError as exc:   # e.g. a Python that dynamo does not support
             logger.warning("torch.compile unavailable, training eagerly: %s", exc)
             return
-        import torch._dynamo.config as dynamo_config
-
-        limit = 4 * (len(self.model.layers) + 1)   # a few shapes: each compiles once per layer
-        name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"   # (older torch)
-        if getattr(dynamo_config, name) < limit:
-            setattr(dynamo_config, name, limit)
+        _raise_recompile_limit(4 * (len(self.model.layers) + 1))   # a few shapes: each compiles once per layer
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, mixer: Mixer, used: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, list]:
@@ -853,6 +857,10 @@ class CloverForCausalLM(nn.Module):
             logger.warning("torch.compile unavailable, decoding eagerly: %s", exc)
             self._compiled = {}
             return
+        # A pass's graphs are specialised by the experts' dispatch (by token count) and a few shapes: a benchmark
+        # of `verify` windows 4, 8 and 16 at batches 1 and 8 reached dynamo's default limit of 8 for the check,
+        # whose later shapes then ran eagerly (session 53).
+        _raise_recompile_limit(32)
         if warmup:
             with torch.inference_mode():
                 for n in (1, 2):

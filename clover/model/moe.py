@@ -81,8 +81,9 @@ def experts_gathered(
     return (y * weights[..., None].to(y.dtype)).sum(1).to(x.dtype)
 
 
-# The grouped dispatch reads its per-expert counts on the host: a compiled graph calls it as it is, which
-# breaks the graph there (another compiled region, its guards, the eager dispatch). The dense mix is kept up
+# The grouped dispatch reads its per-expert counts on the host: a graph that records gradients (training)
+# breaks there (another compiled region, its guards, the eager dispatch); a pass without gradients calls it as
+# an opaque operator (`_register_grouped_operator`), still eager inside, without a break. The dense mix is kept up
 # to a block's commit fused with the next block's preview on the shipped clover-tiny (64 tokens x 6 unused
 # experts of 384 x 128; even eager, dense and grouped take the same time there, 1.36 ms, and grouped leads
 # from 72 tokens on); the bound counts the multiply-adds it wastes, so a model with many or wide experts
@@ -96,17 +97,45 @@ def experts_gathered(
 # grouped dispatch's reads (not measured on such a shape). Eagerly the grouped dispatch stays.
 _COMPILED_DENSE_WASTE = 64 * 6 * 384 * 128
 _grouped_outside_graph: Callable[..., torch.Tensor] | None = None   # set by `keep_grouped_dispatch_out_of_graphs`
+_grouped_operator: Callable[..., torch.Tensor] | None = None        # the same, as an operator (no gradient)
 
 
 def keep_grouped_dispatch_out_of_graphs() -> None:
     """Wrap the grouped dispatch in `torch.compiler.disable` for the graphs compiled from now on (a graph breaks
-    there and runs it eagerly). Called where this package compiles a pass, not when this module is imported:
+    there and runs it eagerly), and register it as an operator for the passes without gradients. Called where
+    this package compiles a pass, not when this module is imported:
     the wrapper imports dynamo, which took 1.8 of the command's ~4.1 s of start-up on 2 cores (2026-12-06). A model
     that a user passes to `torch.compile` directly, before this ran, traces `experts_grouped` itself: dynamo
     breaks the graph at its `tolist()` and may recompile per routing (slower, the same results)."""
-    global _grouped_outside_graph
+    global _grouped_outside_graph, _grouped_operator
     if _grouped_outside_graph is None:
         _grouped_outside_graph = torch.compiler.disable(experts_grouped)
+    if _grouped_operator is None:
+        _grouped_operator = _register_grouped_operator()
+
+
+def _register_grouped_operator() -> Callable[..., torch.Tensor]:
+    """The grouped dispatch as an opaque operator (`clover::experts_grouped`) for compiled passes without
+    gradients (decoding): a graph calls it as one node, its output shaped as its input, with no graph break.
+    A break inside the layer loop made dynamo give up the loop ("graph break in loop": the whole pass of a batch-8
+    block preview or `verify` check ran eagerly, with each layer's code after the break compiled on its own up to
+    the recompile limit; session 53). Training keeps the break (the operator has no backward)."""
+    try:   # (registered already: this module imported again, e.g. reloaded)
+        return torch.ops.clover.experts_grouped.default
+    except (AttributeError, RuntimeError):
+        pass
+
+    @torch.library.custom_op("clover::experts_grouped", mutates_args=())
+    def grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        return experts_grouped(x, gate_up, down, weights, experts)
+
+    @grouped.register_fake
+    def _(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+          experts: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    return grouped
 
 
 def experts_reference(
@@ -195,7 +224,12 @@ class SparseMoE(nn.Module):
                 dispatch = experts_gathered   # a decode step: only the experts its tokens use are read
             else:
                 dense = flat.shape[0] * (e - self.top_k) * d * width <= _COMPILED_DENSE_WASTE
-                dispatch = experts_dense if dense else (_grouped_outside_graph or experts_grouped)
+                if dense:
+                    dispatch = experts_dense
+                elif torch.is_grad_enabled() or _grouped_operator is None:
+                    dispatch = _grouped_outside_graph or experts_grouped
+                else:
+                    dispatch = _grouped_operator
         else:
             dispatch = experts_grouped
         routed = dispatch(flat, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
