@@ -464,6 +464,8 @@ def test_a_compiled_check_of_many_tokens_runs_the_grouped_experts_inside_its_gra
     (`clover::experts_grouped`): no graph break. The break made dynamo give up the layer loop ("graph break in
     loop"), so a batch-8 `verify` check or block preview of clover-tiny ran eagerly, each layer's code after
     the break compiled on its own up to the recompile limit (session 53). Results equal the eager pass's."""
+    import sys
+
     from torch._dynamo.utils import counters
 
     from clover.model import moe
@@ -471,9 +473,18 @@ def test_a_compiled_check_of_many_tokens_runs_the_grouped_experts_inside_its_gra
     monkeypatch.setattr(moe, "_COMPILED_DENSE_WASTE", 0)   # (debug experts are tiny: every pass would be dense)
     torch._dynamo.reset()
     counters.clear()
+    through_operator = []
+    grouped = moe.experts_grouped
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        through_operator.append(sys._getframe(1).f_code.co_name == "grouped")   # (the operator's body calls it)
+        return grouped(*args)
+
+    monkeypatch.setattr(moe, "experts_grouped", counted)
     # 3 rows x 6 tokens: more than E / K = 4, so grouped (the dense bound is 0): the operator, or a break
     _compare_compiled_with_eager(debug_config, ("check",))
     assert not counters["graph_break"], dict(counters["graph_break"])
+    assert any(through_operator) and not all(through_operator)   # the compiled check's, and the eager model's
     torch._dynamo.reset()
 
 

@@ -872,9 +872,24 @@ def test_a_run_started_with_a_relative_data_path_resumes_from_another_directory(
     monkeypatch.chdir(tmp_path)
     record = train(_cfg("project/data", "project/run", steps=4, save_every=3, eval_every=3), resume=True)
     assert record["step"] == 4
+    shutil.copytree(data_dir, tmp_path / "other")
     with pytest.raises(ValueError, match="data: 'project/data' there, 'other' now"):   # (as the last sitting spelt it)
-        shutil.copytree(data_dir, tmp_path / "other")
         train(_cfg("other", "project/run", steps=5, save_every=3, eval_every=3), resume=True)
+    # a state from before the working directory was kept: its relative paths are taken from today's, as then
+    state_path = project / "run" / "checkpoint" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=True)
+    del state["cwd"]
+    torch.save(state, state_path)
+    assert train(_cfg("project/data/", "project/run", steps=5, save_every=3, eval_every=3), resume=True)["step"] == 5
+    # a project that moved: the saved directory is gone, today's spelling of the same relative path still resumes
+    moved = tmp_path / "moved"
+    project.rename(moved)
+    monkeypatch.chdir(moved)
+    state_path = moved / "run" / "checkpoint" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=True)
+    state["config"]["data"] = "data"   # (as it was saved where it started)
+    torch.save(state, state_path)
+    assert train(_cfg("data/", "run", steps=6, save_every=3, eval_every=3), resume=True)["step"] == 6
 
 
 def test_corrupt_token_shards_are_named_not_looped_on(data_dir, tmp_path):

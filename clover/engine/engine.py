@@ -699,6 +699,8 @@ class Engine:
         s.generated.extend(tokens)
         s.accept_steps.extend(steps)
         s.finish_reason = reason
+        if reason != "stop":   # (a stop token was drafted, then the request failed before it ended the reply)
+            s.stop_token = None
         delta = self._text_delta(s, final=True, text=text)
         s.stats.generated_tokens = len(s.generated)
         s.stats.wall_time = time.perf_counter() - s.started

@@ -310,10 +310,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
     def _usage(prompt_len: int, choices: list[_Choice]) -> dict:
         completion = sum(c.result.completion_tokens for c in choices if c.result)   # with the stop token, as vLLM
         nfe = sum(c.result.stats.nfe for c in choices if c.result)
-        generated = sum(c.result.stats.generated_tokens for c in choices if c.result)   # TPF: the engine's count
         cached = max((c.result.stats.cached_tokens for c in choices if c.result), default=0)
         return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe, "tpf": generated / nfe if nfe else 0.0,
+                "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe, "tpf": completion / nfe if nfe else 0.0,
                 "blocks": sum(c.result.stats.blocks for c in choices if c.result)}
 
     async def _unless_gone(work: asyncio.Future, watch: asyncio.Future | None) -> asyncio.Future | None:

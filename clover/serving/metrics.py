@@ -90,7 +90,7 @@ class ServerMetrics:
         m = self.model_name
         stats = rec.result.stats
         self.prompt_tokens.labels(m).inc(stats.prompt_tokens - stats.cached_tokens)
-        self.generation_tokens.labels(m).inc(stats.generated_tokens)
+        self.generation_tokens.labels(m).inc(rec.result.completion_tokens)   # (as usage counts them: the stop token too)
         self.success.labels(m, rec.result.finish_reason).inc()
         if rec.first_token is not None:
             self.ttft.labels(m).observe(rec.first_token - rec.submitted)
@@ -99,7 +99,7 @@ class ServerMetrics:
         self.e2e.labels(m).observe(rec.finished - rec.submitted)
         self.queue.labels(m).observe(max(0.0, rec.finished - stats.wall_time - rec.submitted))
         self.prompt_size.labels(m).observe(stats.prompt_tokens)
-        self.generation_size.labels(m).observe(stats.generated_tokens)
+        self.generation_size.labels(m).observe(rec.result.completion_tokens)
         self.prefix_queries.labels(m).inc(stats.prompt_tokens)
         self.prefix_hits.labels(m).inc(stats.cached_tokens)
         self.nfe.labels(m).inc(stats.nfe)

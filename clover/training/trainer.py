@@ -169,11 +169,12 @@ def _setup_distributed() -> _Dist:
 def _same_path(saved: str, now: str, saved_cwd: str | None) -> bool:
     """Whether a path setting of a saved run and today's name the same directory (not a `preset:` name). A saved
     relative path is taken from the directory the run was started in (`saved_cwd`, kept in its trainer state since
-    2026-12-07; older states: today's), so a run resumed from elsewhere may name its data another way."""
+    2026-12-07), so a run resumed from elsewhere may name its data another way, or from today's (a project that
+    moved, or an older state)."""
     if saved.startswith("preset:") or now.startswith("preset:"):
         return False
-    base = Path(saved_cwd) if saved_cwd is not None else Path.cwd()
-    return (base / saved).resolve() == Path(now).resolve()   # (an absolute `saved` ignores the base)
+    bases = {Path.cwd()} | ({Path(saved_cwd)} if saved_cwd is not None else set())
+    return Path(now).resolve() in {(base / saved).resolve() for base in bases}   # (an absolute `saved` ignores them)
 
 
 def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -> CloverForCausalLM:
