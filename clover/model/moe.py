@@ -7,6 +7,7 @@ Tensor names match transformers: `gate.weight` [E,D], `experts.gate_up_proj` [E,
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -98,6 +99,7 @@ def experts_gathered(
 _COMPILED_DENSE_WASTE = 64 * 6 * 384 * 128
 _grouped_outside_graph: Callable[..., torch.Tensor] | None = None   # set by `keep_grouped_dispatch_out_of_graphs`
 _grouped_operator: Callable[..., torch.Tensor] | None = None        # the same, as an operator (no gradient)
+_registering = threading.Lock()
 
 
 def keep_grouped_dispatch_out_of_graphs() -> None:
@@ -108,10 +110,11 @@ def keep_grouped_dispatch_out_of_graphs() -> None:
     that a user passes to `torch.compile` directly, before this ran, traces `experts_grouped` itself: dynamo
     breaks the graph at its `tolist()` and may recompile per routing (slower, the same results)."""
     global _grouped_outside_graph, _grouped_operator
-    if _grouped_outside_graph is None:
-        _grouped_outside_graph = torch.compiler.disable(experts_grouped)
-    if _grouped_operator is None:
-        _grouped_operator = _register_grouped_operator()
+    with _registering:   # (two threads compiling at once would register the operator twice: an error)
+        if _grouped_outside_graph is None:
+            _grouped_outside_graph = torch.compiler.disable(experts_grouped)
+        if _grouped_operator is None:
+            _grouped_operator = _register_grouped_operator()
 
 
 def _register_grouped_operator() -> Callable[..., torch.Tensor]:
