@@ -234,6 +234,12 @@ def test_logit_bias_and_min_tokens(url, setup):
     # held back 5 tokens, then ended: the usage counts the end-of-sequence token too, as vLLM's does
     assert status == 200 and body["usage"]["completion_tokens"] == 6 and body["usage"]["tpf"] > 0, body
     assert len(tok.encode(body["choices"][0]["message"]["content"])) <= 5, body
+    lines = httpx.post(url + "/chat/completions", timeout=120, json={
+        "model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "x"}], "logit_bias": {str(eos): 100},
+        "min_tokens": 5, "algorithm": "ar", "chat_template_kwargs": {"enable_thinking": False}, "stream": True,
+        "stream_options": {"include_usage": True}}).text.splitlines()
+    usage = json.loads([x for x in lines if x.startswith("data: {")][-1][6:])["usage"]
+    assert usage["completion_tokens"] == 6 and usage["tpf"] == 6 / usage["nfe"], usage   # streamed: the same count
     for algorithm in ALGORITHMS:   # min_tokens with nothing that could stop the reply: nothing to hold back
         status, body = _chat(url, messages=[{"role": "user", "content": "x"}], min_tokens=3, ignore_eos=True,
                              max_tokens=4, algorithm=algorithm)
