@@ -578,19 +578,18 @@ class Engine:
         causal head's logits that predicted them (for params.logprobs)."""
         cut = next((j for j, t in enumerate(tokens) if self.is_stop_token(s, t)), None)
         keep = len(tokens) if cut is None else cut
-        s.stop_token = None if cut is None else tokens[cut]
         if s.params.logprobs is not None and logits is not None:
             scored = token_logprobs(logits[: keep + (cut is not None)], tokens[: keep + (cut is not None)],
                                     s.params.logprobs)
             s.logprobs.extend(scored[:keep])
             if cut is not None:   # the stop token is not output, but scorers (lm-eval) count its entry
                 s.stop_logprob = (tokens[cut], scored[keep])
-        self.emit(s, tokens[:keep], steps[:keep], events, stopped=cut is not None)
+        self.emit(s, tokens[:keep], steps[:keep], events, stop_token=None if cut is None else tokens[cut])
 
     def emit(self, s: SequenceState, tokens: list[int], steps: list[int], events: list[Event],
-             stopped: bool = False) -> None:
-        """Append final tokens; finish on a stop string, then on `stopped` (a stop token followed them),
-        then on max_new_tokens."""
+             stop_token: int | None = None) -> None:
+        """Append final tokens; finish on a stop string, then on `stop_token` (it followed them: the reply ends
+        with it), then on max_new_tokens."""
         s.generated.extend(tokens)
         s.accept_steps.extend(steps)
         if self.tokenizer is not None:
@@ -602,10 +601,11 @@ class Engine:
                 # keep the tokens up to the one that completes the stop string; the text ends before it
                 m = s.ends_at[bisect.bisect_left(s.ends, end)]
                 del s.generated[m:], s.accept_steps[m:], s.logprobs[m:]
-                s.stop_logprob = s.stop_token = None   # a stop token after it in the same run did not end the reply
+                s.stop_logprob = None   # a stop token after it in the same run did not end the reply
                 self.finish(s, [], [], "stop", events, text=s.decoded[:at])
                 return
-        if stopped:
+        if stop_token is not None:
+            s.stop_token = stop_token
             self.finish(s, [], [], "stop", events)
             return
         if len(s.generated) >= s.params.max_new_tokens:
@@ -699,8 +699,6 @@ class Engine:
         s.generated.extend(tokens)
         s.accept_steps.extend(steps)
         s.finish_reason = reason
-        if reason != "stop":   # (a stop token was drafted, then the request failed before it ended the reply)
-            s.stop_token = None
         delta = self._text_delta(s, final=True, text=text)
         s.stats.generated_tokens = len(s.generated)
         s.stats.wall_time = time.perf_counter() - s.started
