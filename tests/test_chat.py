@@ -1,11 +1,22 @@
 """Chat template, tokenizer files and the output parser (one-shot and incremental)."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
-from clover.model.chat import ChatFormatError, StreamingParser, parse_output, render_chat, written_raw
+from clover.model.chat import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ChatFormatError,
+    StreamingParser,
+    parse_output,
+    render_chat,
+    written_raw,
+)
 from clover.model.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError
 
 TOOLS = [{"type": "function", "function": {
@@ -122,6 +133,32 @@ def test_incremental_parser_equals_one_shot_at_every_split(tokenizer):
                     assert "".join(d.content for d in deltas) == whole.content, (text, cut)
                     assert [c for d in deltas for c in d.tool_calls] == whole.tool_calls
                     assert deltas[-1].errors == whole.errors
+
+
+def test_incremental_parser_equals_one_shot_over_many_pieces_of_random_texts():
+    """Each feed scans on from what earlier feeds settled (reasoning closed, complete calls): over random
+    texts of tags, parts of tags, whitespace, calls (good, malformed, with a closing tag inside a value) fed in
+    many random pieces, the deltas still add up to `parse_output` of the whole text."""
+    rng = random.Random(0)
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n</function>\n</tool_call>"
+    fragments = [THINK_OPEN, THINK_CLOSE, "</thi", "<tool_", CALL_OPEN, CALL_CLOSE, call, "  ", "\n", "word", "<", ">",
+                 "<tool_call>\nnot a call\n</tool_call>", "<function=get_weather>", "</function>",
+                 "<parameter=city>\na</tool_call>b\n</parameter>\n", "<tool_call>\n<function=f>\n</function>\n"]
+    for trial in range(300):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 14)))
+        thinking, calls = rng.random() < 0.6, rng.random() < 0.8
+        whole = parse_output(text, thinking=thinking, tools=TOOLS, calls=calls)
+        p = StreamingParser(thinking=thinking, tools=TOOLS, calls=calls)
+        deltas, at = [], 0
+        while at < len(text):
+            step = rng.choice([1, 1, 2, 3, 7, 20])
+            deltas.append(p.feed(text[at: at + step]))
+            at += step
+        deltas.append(p.finish())
+        assert "".join(d.reasoning for d in deltas) == (whole.reasoning or ""), (trial, text)
+        assert "".join(d.content for d in deltas) == whole.content, (trial, text)
+        assert [c for d in deltas for c in d.tool_calls] == whole.tool_calls, (trial, text)
+        assert deltas[-1].errors == whole.errors, (trial, text)
 
 
 def test_malformed_calls_are_reported_not_crashed_on():

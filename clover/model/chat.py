@@ -311,51 +311,71 @@ def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
     return best
 
 
-def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool, calls: bool = True) -> ParsedOutput:
+@dataclass
+class _Settled:
+    """What a scan of a streamed text found that later text cannot change (`StreamingParser` resumes from it):
+    the closed reasoning and where the text after it starts, and the content parts, calls and errors up to the
+    end of the last complete call."""
+    rest: int | None = None        # where the text after the reasoning starts, once that is known
+    reasoning: str | None = None
+    pos: int = 0                   # the end of the last complete call (or `rest`)
+    parts: list[str] = field(default_factory=list)
+    found: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool, calls: bool = True,
+          settled: _Settled | None = None) -> ParsedOutput:
     """Parse `text`; when not final, keep back what a later piece could still change. With `calls`
-    False, tool-call markup stays in the content (tool_choice "none")."""
-    errors: list[str] = []
-    reasoning = None
-    rest = text
-    if thinking:
-        if not final and THINK_OPEN.startswith(text.lstrip()):
-            return ParsedOutput("", "", [], [])  # could still become a (repeated) opening tag
-        body = text.lstrip()[len(THINK_OPEN):] if text.lstrip().startswith(THINK_OPEN) else text
-        if THINK_CLOSE in body:
-            reasoning, rest = body.split(THINK_CLOSE, 1)
-        else:
-            reasoning, rest = body, ""
-            if not final:
-                reasoning = reasoning[: len(reasoning) - _partial_tag(reasoning, (THINK_CLOSE,))]
-        reasoning = reasoning.strip() if final or THINK_CLOSE in body else reasoning.lstrip()
-        if not final and THINK_CLOSE not in body:
-            reasoning = reasoning.rstrip()  # trailing whitespace waits: it may end the reasoning
-    parts, found = [], []
+    False, tool-call markup stays in the content (tool_choice "none"). `settled`, from scans of earlier
+    prefixes of `text` (not final), is where this one starts, and it is brought up to date."""
+    settled = settled if settled is not None else _Settled()
+    if settled.rest is None:
+        reasoning, rest, close = None, 0, -1
+        if thinking:
+            stripped = text.lstrip()
+            if not final and THINK_OPEN.startswith(stripped):
+                return ParsedOutput("", "", [], [])  # could still become a (repeated) opening tag
+            body = len(text) - len(stripped) + len(THINK_OPEN) if stripped.startswith(THINK_OPEN) else 0
+            close = text.find(THINK_CLOSE, body)
+            if close >= 0:
+                reasoning, rest = text[body:close].strip(), close + len(THINK_CLOSE)
+            else:   # all reasoning so far; a tail that may become the closing tag, and trailing whitespace, wait
+                reasoning, rest = text[body:], len(text)
+                if not final:
+                    reasoning = reasoning[: len(reasoning) - _partial_tag(reasoning, (THINK_CLOSE,))]
+                reasoning = reasoning.strip()
+        if not thinking or close >= 0:
+            settled.rest, settled.reasoning, settled.pos = rest, reasoning, rest
+    else:
+        reasoning, rest = settled.reasoning, settled.rest
+    pos = settled.pos if settled.rest is not None else rest
+    parts, found, errors = list(settled.parts), list(settled.found), list(settled.errors)
     while True:
-        start = rest.find(CALL_OPEN) if calls else -1
+        start = text.find(CALL_OPEN, pos) if calls else -1
         if start < 0:
-            tail = rest
+            tail = text[pos:]
             if not final and calls:
                 tail = tail[: len(tail) - _partial_tag(tail, (CALL_OPEN,))]
             parts.append(tail)
             break
-        parts.append(rest[:start])
-        end = _call_end(rest, start + len(CALL_OPEN), final)
+        parts.append(text[pos:start])
+        end = _call_end(text, start + len(CALL_OPEN), final)
         if end < 0:
             if final:   # cut short (max_tokens): the text stays in the content, as vLLM's parsers leave it
-                errors.append(f"unterminated tool call: {rest[start:]!r:.80}")
-                parts.append(rest[start:])
+                errors.append(f"unterminated tool call: {text[start:]!r:.80}")
+                parts.append(text[start:])
             break
-        call, errs = parse_tool_call(rest[start + len(CALL_OPEN): end], tools)
+        call, errs = parse_tool_call(text[start + len(CALL_OPEN): end], tools)
         errors.extend(errs)
         if call is not None:
             found.append(call)
         else:   # markup that names no call: the client sees it as text rather than nothing
-            parts.append(rest[start: end + len(CALL_CLOSE)])
-        rest = rest[end + len(CALL_CLOSE):]
-    content = "".join(parts)
-    content = content.strip() if final else content.lstrip().rstrip()
-    return ParsedOutput(reasoning, content, found, errors)
+            parts.append(text[start: end + len(CALL_CLOSE)])
+        pos = end + len(CALL_CLOSE)
+        if not final and settled.rest is not None:   # (a call's end, once found, stays where it is)
+            settled.pos, settled.parts, settled.found, settled.errors = pos, list(parts), list(found), list(errors)
+    return ParsedOutput(reasoning, "".join(parts).strip(), found, errors)
 
 
 def parse_output(text: str, thinking: bool = True, tools: list[dict] | None = None, calls: bool = True
@@ -380,6 +400,7 @@ class StreamingParser:
         self.thinking, self.tools, self.calls = thinking, tools, calls
         self.text = ""
         self._sent = ParsedOutput("" if thinking else None, "")
+        self._settled = _Settled()   # each feed scans on from what the earlier ones settled (not the whole text)
 
     def _delta(self, now: ParsedOutput) -> OutputDelta:
         sent = self._sent
@@ -393,10 +414,10 @@ class StreamingParser:
 
     def feed(self, piece: str) -> OutputDelta:
         self.text += piece
-        return self._delta(_scan(self.text, self.thinking, self.tools, final=False, calls=self.calls))
+        return self._delta(_scan(self.text, self.thinking, self.tools, False, self.calls, self._settled))
 
     def finish(self) -> OutputDelta:
-        final = _scan(self.text, self.thinking, self.tools, final=True, calls=self.calls)
+        final = _scan(self.text, self.thinking, self.tools, True, self.calls, self._settled)
         d = self._delta(final)
         d.errors = final.errors
         return d
