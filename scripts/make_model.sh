@@ -6,7 +6,7 @@
 # Every stage resumes where it stopped: after an interruption, run the same command again.
 # Training time depends on the CPU (2 cores; measured, stage wall time): 160 minutes on an AVX-512 EPYC in bf16
 # autocast (session 34); with EXT_STEPS=300, 1,015 minutes on an AVX2 EPYC at 2 GHz in fp32 (session 44, compiled);
-# the shipped build's stages took about 330 minutes at their median rates. AR pretraining runs at ~3,200 tokens/s
+# 189 minutes on a Xeon with AMX in bf16 autocast, compiled (session 52: the shipped build). AR pretraining runs at ~3,200 tokens/s
 # on a Xeon with AMX (bf16, compiled), ~2,650 on the AVX-512 EPYC (fp32), 868 on the AVX2 EPYC (fp32, eager).
 # Override the step counts with the variables below.
 # Chat rows are packed with several conversations (--pack); SFT keeps code and English in the mix.
@@ -66,7 +66,7 @@ timed() {
 # Training runs in bf16 autocast (fp32 master weights) where the CPU multiplies bf16 natively (avx512_bf16,
 # amx_bf16): on an AVX-512 EPYC 1.26x the tokens/s of fp32 for AR and 1.36x for the diffusion objective, with
 # validation bits per byte 0.994x and 1.0001x (docs/measurements.md, session 30); elsewhere bf16 products are
-# emulated and slower, so fp32. DTYPE overrides. (The shipped weights were trained in fp32.)
+# emulated and slower, so fp32. DTYPE overrides. (The shipped weights were trained in bf16 autocast, compiled.)
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2> /dev/null; then DTYPE=${DTYPE:-bfloat16}; else DTYPE=${DTYPE:-float32}; fi
 
 # PROCS > 1 trains on that many processes (torchrun, DistributedDataParallel: gloo on CPU, each process with THREADS

@@ -1,7 +1,8 @@
 """An in-process server: the HTTP app on a free loopback port, run by uvicorn in a background thread.
 
 This is how in-process callers (`clover eval tasks`, tests) reach a model through the same HTTP path as
-every other client: the evaluation layer never holds a model, it gets a URL.
+every other client: the evaluation layer never holds a model, it gets a URL. `serve_subprocess` starts
+`clover serve` itself in a child process on a free port (benchmarks, `scripts/lm_eval_local.py`).
 """
 
 from __future__ import annotations
