@@ -4,6 +4,7 @@ code is confined (paths, commands, time, memory, output size)."""
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,40 @@ def test_coding_tools_are_confined_to_the_repository():
         assert env.call("frobnicate", {}).startswith("error: unknown tool")
     finally:
         env.close()
+
+
+def test_what_a_program_leaves_in_the_repository_never_crashes_a_tool_the_check_or_the_cleanup():
+    """Found by a hostile pass (session 54): a symlink loop made read_file / write_file / list_files raise
+    RuntimeError, a tree 1,200 directories deep RecursionError (in list_files, in the cleanup and in the check's),
+    a pipe left where write_file writes blocked the harness for ever, and a lone surrogate in an answer raised in
+    the check: each stopped the whole evaluation. Now each is a tool's error, a failed check, or cleaned up."""
+    env = S.suite_tasks("coding", 1)[0].open()
+    try:
+        code = ("import os\nos.symlink('loop', 'loop')\nos.mkfifo('pipe')\nos.makedirs('deep', exist_ok=True)\n"
+                "os.chdir('deep')\nfor _ in range(1200):\n    os.mkdir('a')\n    os.chdir('a')\nprint('made')")
+        assert env.call("write_file", {"path": "mess.py", "content": code}) == "ok"
+        assert env.call("run", {"command": "python mess.py"}).split() == ["exit", "code", "0", "made"]
+        for name, args in (("read_file", {"path": "loop"}), ("write_file", {"path": "loop", "content": "x"}),
+                           ("edit_file", {"path": "loop", "old": "a", "new": "b"}), ("list_files", {}),
+                           ("write_file", {"path": "pipe", "content": "x"})):
+            assert env.call(name, args).startswith("error:"), name
+        assert env.check("anything") is False
+    finally:
+        env.close()
+    assert not env.root.exists()
+    he = S.HumanEvalEnvironment(S.humaneval_problems()[0], Limits(timeout_s=10))
+    assert he.check("```python\ndef f():\n    return '\ud800'\n```") is False
+
+
+def test_the_check_survives_a_program_that_swaps_its_directory_for_a_link(tmp_path):
+    """Found by a hostile pass (session 54): a program that renamed the check's temporary directory and left a
+    link to /usr in its place made the cleanup raise; the link is removed, /usr untouched."""
+    from clover.evaluation.sandbox import runs_to_completion
+
+    program = ("import os, sys\nd = os.path.dirname(os.path.abspath(sys.argv[0] if sys.argv[0] else __file__))\n"
+               "os.rename(d, d + '-moved')\nos.symlink('/usr', d)\n")
+    assert runs_to_completion(program, tmp_path) in (True, False)
+    assert Path("/usr/bin").is_dir() and not any(p.is_symlink() for p in tmp_path.iterdir())
 
 
 def test_sandbox_limits(tmp_path):

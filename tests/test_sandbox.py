@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,87 @@ def test_memory_is_capped_across_children(tmp_path):
     r = run_python(["-c", code], tmp_path, Limits(timeout_s=20, memory_mb=500))
     statuses = [int(s) for s in r.stdout.strip("[]\n").split(",") if s.strip()] if r.stdout.strip() else []
     assert r.returncode != 0 or any(s != 0 for s in statuses), r   # the group's limit killed someone
+
+
+@isolated
+def test_root_only_files_and_kernel_settings_are_out_of_reach(tmp_path):
+    """Found by a hostile pass (session 54): bubblewrap maps the sandbox's user to its caller's, so under a harness
+    run as root model-written code read root-only files (/etc/shadow) and wrote /proc/sys. Now only the system's
+    directories are in its file system, with their secrets covered, and /proc/sys is read-only; the task
+    directory (and a file the harness wrote into it) stays writable."""
+    var_tmp = Path("/var/tmp")
+    if not os.access(var_tmp, os.W_OK):
+        pytest.skip("/var/tmp is not writable here")
+    secret = var_tmp / f"clover-test-secret-{os.getpid()}"
+    secret.write_text("root only")
+    secret.chmod(0o600)
+    (tmp_path / "given.py").write_text("x = 1\n")
+    probe = ("import os\nfor path in ({secret!r}, '/etc/shadow', '/etc/ssh/ssh_host_ed25519_key'):\n"
+             "    try:\n        open(path).read()\n        print('read', path)\n    except OSError:\n        pass\n"
+             "try:\n    v = open('/proc/sys/fs/lease-break-time').read()\n"
+             "    open('/proc/sys/fs/lease-break-time', 'w').write(v)\n    print('wrote sysctl')\nexcept OSError:\n"
+             "    pass\nprint(os.access('/proc/sysrq-trigger', os.W_OK))\n"
+             "open('given.py', 'a').write('y = 2\\n'); open('new.txt', 'w').write('ok')")
+    try:
+        r = _run(probe.format(secret=str(secret)), tmp_path)
+    finally:
+        secret.unlink()
+    assert r.stdout.split() == ["False"], r
+    assert (tmp_path / "given.py").read_text() == "x = 1\ny = 2\n" and (tmp_path / "new.txt").read_text() == "ok"
+
+
+@isolated
+def test_host_sockets_in_run_and_the_package_source_are_out_of_sight(tmp_path):
+    """Found by a hostile pass (session 54): a unix socket under /run (where docker's, D-Bus's and systemd's
+    live) could be connected to from inside; the suites' hidden tests could be read from this package's source."""
+    import clover.evaluation.suites as suites
+
+    run = Path("/run")
+    if not os.access(run, os.W_OK):
+        pytest.skip("/run is not writable here")
+    path = run / f"clover-test-{os.getpid()}.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        server.listen()
+        try:
+            r = _run(f"import socket, os\nprint(os.path.exists({str(path)!r}))\ns = socket.socket(socket.AF_UNIX)\n"
+                     f"s.settimeout(2)\ns.connect({str(path)!r})\nprint('connected')", tmp_path)
+        finally:
+            path.unlink()
+    assert "connected" not in r.stdout and r.stdout.split()[:1] == ["False"], r
+    r = _run(f"print(open({suites.__file__!r}).read()[:20])", tmp_path)
+    assert r.returncode != 0 and "No such file" in r.stderr, r
+
+
+def test_output_is_read_as_it_comes_and_kept_at_its_ends(tmp_path):
+    """Found by a hostile pass (session 54): 400 MiB printed went whole into the harness's memory (1.2 GB peak)
+    before it was cut to `output_chars`. Now only both ends are kept: the harness's peak memory grows by less
+    than 64 MiB (the program's own output is 400 MiB), and the start and the end of the output are there."""
+    import resource
+
+    code = ("import sys\nsys.stdout.write('START')\nchunk = 'x' * 2**22\nfor _ in range(100):\n"
+            "    sys.stdout.write(chunk)\nsys.stdout.write('END')")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = run_python(["-c", code], tmp_path, Limits(timeout_s=60, output_chars=200))
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert r.returncode == 0 and grown_mb < 64, (grown_mb, r.returncode)
+    assert r.stdout.startswith("START") and r.stdout.endswith("END") and "output truncated" in r.stdout
+    assert len(r.stdout) < 300
+
+
+def test_a_child_that_leaves_the_process_group_holding_the_output_does_not_hold_up_the_run(tmp_path, monkeypatch):
+    """Found by a hostile pass (session 54): without bubblewrap or cgroups, a child in a session of its own that
+    kept stdout open made the run wait for it (for ever, had it slept for ever). Now the run ends a moment after
+    the program does."""
+    from clover.evaluation import sandbox
+
+    monkeypatch.setenv("CLOVER_SANDBOX", "rlimits")
+    sandbox.isolation.cache_clear()
+    try:
+        code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(8)\n    os._exit(0)\n"
+                "print('parent done')")
+        t0 = time.monotonic()
+        r = run_python(["-c", code], tmp_path, Limits(timeout_s=20))
+        assert time.monotonic() - t0 < 5 and "parent done" in r.stdout and not r.timed_out, r
+    finally:
+        sandbox.isolation.cache_clear()

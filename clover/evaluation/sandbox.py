@@ -5,8 +5,10 @@ environment, its own process group (killed whole on timeout) and truncated outpu
 Where bubblewrap (`bwrap`) is installed and works, the program also runs in its own namespaces:
 no network, its own PID namespace (it sees and can signal only its own processes, which all die
 with it: nothing outlives the run), its own user (nobody), the whole file system read-only except
-the task directory and a private /tmp. Without it the module warns once and falls back to the
-limits above (`isolation()` says which is in force). Where cgroups (v1 pids and memory, as root) can
+the task directory and a private /tmp, and only the system's directories (its secrets covered), the
+interpreter's installation and the task directory in it: no home directories, no /run (the host services'
+unix sockets), not this package's source (the suites' hidden tests). /proc/sys is read-only. Without it the
+module warns once and falls back to the limits above (`isolation()` says which is in force). Where cgroups (v1 pids and memory, as root) can
 be created, each run gets its own: all its processes together are held to `Limits.processes` and
 `Limits.memory_mb` (`cgroups()` says whether they are); otherwise only per-process limits apply.
 
@@ -21,6 +23,7 @@ import functools
 import logging
 import os
 import secrets
+import selectors
 import shlex
 import shutil
 import signal
@@ -60,8 +63,11 @@ class Completed:
         return "\n".join(p for p in (head, self.stdout.rstrip(), self.stderr.rstrip()) if p)
 
 
+TRUNCATED = "\n[... output truncated ...]\n"
+
+
 def _truncate(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit // 2] + "\n[... output truncated ...]\n" + text[-limit // 2:]
+    return text if len(text) <= limit else text[: limit // 2] + TRUNCATED + text[-limit // 2:]
 
 
 def _limit(limits: Limits) -> None:  # runs in the child between fork and exec
@@ -102,8 +108,9 @@ class _Cgroup:
         for d in self.dirs:
             (d / "cgroup.procs").write_text(str(os.getpid()))
 
-    def remove(self) -> None:
-        for d in self.dirs:   # whatever is left in the run's groups (a setsid daemon) is killed first
+    def kill(self) -> None:
+        """Kill every process in the run's groups (a setsid daemon too)."""
+        for d in self.dirs:
             try:
                 for pid in (d / "cgroup.procs").read_text().split():
                     try:
@@ -112,6 +119,9 @@ class _Cgroup:
                         pass
             except OSError:
                 pass
+
+    def remove(self) -> None:
+        self.kill()   # whatever is left in the run's groups is killed first
         for d in self.dirs:
             for _ in range(50):   # the killed processes leave the group within moments
                 try:
@@ -132,15 +142,37 @@ def _cgroups_work() -> bool:
     return True
 
 
+PACKAGE = Path(__file__).resolve().parents[1]   # this package's source, hidden tests included
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # what a Python program needs
+SECRETS = ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssl/private", "/etc/ssh")
+
+
 def _bwrap_argv(cwd: Path) -> list[str]:
-    # the interpreter's installation stays visible (read-only) over the private /tmp: a virtual
-    # environment may live there (a fresh clone in /tmp)
+    """Only the system's programs, libraries and settings (with its secrets covered), the interpreter's
+    installation and the task directory are in the sandbox's file system: not the host's other directories
+    (home directories, /root, /run's service sockets, this project), all read-only but the task directory.
+    (The sandbox's user is bubblewrap's caller to the host's files: started by root, root. What it can see is
+    therefore kept to what any user may read anyway.)"""
+    system = []
+    for path in SYSTEM:
+        if os.path.islink(path):   # (a merged /usr: /bin -> usr/bin)
+            system += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            system += ["--ro-bind", path, path]
+    for path in SECRETS:
+        if os.path.isdir(path) and not os.path.islink(path):
+            system += ["--tmpfs", path]
+        elif os.path.lexists(path):
+            system += ["--ro-bind", "/dev/null", path]
+    # the interpreter's installation, read-only: a virtual environment may live anywhere (a fresh clone in /tmp)
     python = []
     for prefix in sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}):
         python += ["--ro-bind-try", prefix, prefix]
+    hide = [] if PACKAGE == cwd or PACKAGE in cwd.parents else ["--tmpfs", str(PACKAGE)]   # (installed in the venv)
     return ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user",
-            "--uid", "65534", "--gid", "65534", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--tmpfs", "/tmp", *python, "--bind", str(cwd), str(cwd), "--chdir", str(cwd), "--as-pid-1", "--"]
+            "--uid", "65534", "--gid", "65534", *system, "--dev", "/dev", "--proc", "/proc",
+            "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
+            "--tmpfs", "/tmp", *python, *hide, "--bind", str(cwd), str(cwd), "--chdir", str(cwd), "--as-pid-1", "--"]
 
 
 def cgroups() -> bool:
@@ -171,10 +203,57 @@ def isolation() -> str:
     return "rlimits"
 
 
+class _Capture:
+    """One output pipe read as it comes: the first and last `limit` bytes are kept, the middle only counted (a
+    program that prints gigabytes costs the harness no more memory than one that prints a page)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.head, self.tail, self.dropped = limit, bytearray(), bytearray(), 0
+
+    def add(self, data: bytes) -> None:
+        room = self.limit - len(self.head)
+        self.head += data[:room]
+        self.tail += data[room:] if room > 0 else data
+        if len(self.tail) > self.limit:
+            self.dropped += len(self.tail) - self.limit
+            del self.tail[: len(self.tail) - self.limit]
+
+    def text(self, chars: int) -> str:
+        head, tail = self.head.decode(errors="replace"), self.tail.decode(errors="replace")
+        if not self.dropped:
+            return _truncate(head + tail, chars)
+        return head[: chars // 2] + TRUNCATED + tail[-chars // 2:]
+
+
+def _read_until(proc: subprocess.Popen, streams: dict, deadline: float) -> bool:
+    """Read the pipes in `streams` (file object -> _Capture) until both end, or `deadline` passes (False), or a
+    second after the program ended (a process it left behind may hold them open: not waited for)."""
+    with selectors.DefaultSelector() as sel:
+        for f in streams:
+            sel.register(f, selectors.EVENT_READ)
+        ended = None
+        while sel.get_map():
+            now = time.monotonic()
+            if ended is None and proc.poll() is not None:
+                ended = now
+            if ended is not None and now - ended > 1.0:
+                return True
+            if now >= deadline:
+                return False
+            for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
+                data = os.read(key.fd, 65536)
+                if data:
+                    streams[key.fileobj].add(data)
+                else:
+                    sel.unregister(key.fileobj)
+    return True
+
+
 def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdin: str | None = None) -> Completed:
     """`python ARGS...` with this interpreter in `cwd`: PYTHON* variables and the user site ignored, and
     no bytecode written (an edit within the same second as a cached import would otherwise be missed).
-    `stdin`: text given to the program on its standard input (else none)."""
+    `stdin`: text given to the program on its standard input (else none; at most a pipe's buffer, 64 KiB).
+    Its output is read as it comes, keeping the start and the end of each stream (`Limits.output_chars`)."""
     cwd = Path(cwd).resolve()
     env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"}
     argv = [sys.executable, "-E", "-s", "-B", *args]
@@ -188,23 +267,41 @@ def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdi
         _limit(limits)
 
     t0 = time.perf_counter()
+    out, err = _Capture(limits.output_chars * 4), _Capture(limits.output_chars * 4)   # (bytes: up to 4 a char)
     try:
         proc = subprocess.Popen(argv, cwd=cwd, env=env,
                                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, preexec_fn=setup)
-        timed_out = False
         try:
-            out, err = proc.communicate(input=stdin, timeout=limits.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc.pid)
-            out, err = proc.communicate()
-        _kill_group(proc.pid)  # whatever the program left running in the background goes too
+            if stdin is not None:
+                try:
+                    proc.stdin.write(stdin.encode())
+                    proc.stdin.close()
+                except BrokenPipeError:   # (the program ended, or closed its input, without reading it)
+                    pass
+            streams = {proc.stdout: out, proc.stderr: err}
+            timed_out = not _read_until(proc, streams, time.monotonic() + limits.timeout_s)
+            if timed_out:
+                _kill_group(proc.pid)
+            if group is not None:   # what is left in the run's groups (e.g. a daemon in a session of its own)
+                group.kill()
+            # a process outside the run's groups that still holds a pipe (without cgroups, a child that left the
+            # process group) is not waited for: the output read so far is the run's
+            _read_until(proc, streams, time.monotonic() + 2.0)
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:   # (cannot happen once killed; kept from blocking for ever)
+                _kill_group(proc.pid)
+                proc.wait()
+            _kill_group(proc.pid)  # whatever the program left running in the background goes too
+        finally:
+            for f in (proc.stdout, proc.stderr):
+                f.close()
     finally:
         if group is not None:
             group.remove()
-    return Completed(proc.returncode, _truncate(out, limits.output_chars), _truncate(err, limits.output_chars),
+    return Completed(proc.returncode, out.text(limits.output_chars), err.text(limits.output_chars),
                      time.perf_counter() - t0, timed_out)
 
 
@@ -238,9 +335,24 @@ def runs_to_completion(program: str, cwd: str | Path | None = None, limits: Limi
     a per-run random token, printed after it by a wrapper that read it from a pipe, must appear, so code
     that exits early with status 0 does not pass. `cwd` defaults to a temporary directory."""
     token = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="clover-run-", dir=cwd) as d:
+    d = tempfile.mkdtemp(prefix="clover-run-", dir=cwd)
+    try:
         path = Path(d) / "program.py"
-        path.write_text(program + "\n")
+        path.write_text(program + "\n", errors="replace")   # (a lone surrogate in a reply)
         done = run_python(["-I", "-c", _COMPLETION_WRAPPER, str(path)], cwd if cwd is not None else d, limits,
                           stdin=token + "\n")
+    finally:
+        remove_tree(Path(d))
     return done.returncode == 0 and token in done.stdout.splitlines()
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory a program may have played with: a link in its place is removed, not followed; a tree
+    too deep for `shutil.rmtree`'s recursion goes with `rm -rf`; errors are ignored (what is left stays)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+        return
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    except RecursionError:
+        subprocess.run(["rm", "-rf", "--", str(path)], capture_output=True, check=False)

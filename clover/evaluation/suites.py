@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import random
 import re
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from clover.evaluation.sandbox import Limits, run_command, runs_to_completion
+from clover.evaluation.sandbox import Limits, remove_tree, run_command, runs_to_completion
 from clover.training import agent_data, synthetic
 
 MEMORY_STEPS = (2, 8, 32)
@@ -208,12 +207,15 @@ class SandboxRepo:
                 if not base.is_dir():
                     return f"error: {args.get('path')} is not a directory"
                 files = sorted(str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file())
-                return "\n".join(files) or "(empty)"
+                listing = "\n".join(files) or "(empty)"
+                return listing if len(listing) <= 8000 else listing[:8000] + f"\n[... {len(files)} files in all ...]"
             if name == "read_file":
                 p = self._path(args["path"])
                 return p.read_text()[:8000] if p.is_file() else f"error: no such file {args['path']}"
             if name == "write_file":
                 p = self._path(args["path"])
+                if p.exists() and not p.is_file():   # (a pipe a program left there would block the harness)
+                    return f"error: {args['path']} is not a regular file"
                 p.parent.mkdir(parents=True, exist_ok=True)
                 p.write_text(str(args["content"]))
                 return "ok"
@@ -235,11 +237,14 @@ class SandboxRepo:
             return f"error: missing argument {exc}"
         except (ValueError, OSError) as exc:
             return f"error: {exc}"
+        except (RuntimeError, RecursionError, UnicodeError) as exc:   # what a program left in the repository can
+            return f"error: {type(exc).__name__}: {exc}"             # cause: a symlink loop, a deep tree, a bad name
         return f"error: unknown tool {name}"
 
     def check(self, answer: str) -> bool:
-        """The hidden tests, written only now and outside the repository, run in isolated mode with the
-        repository appended after the standard library (a repository `unittest.py` cannot shadow it)."""
+        """The hidden tests, written only now (into a temporary directory in the repository), run in isolated
+        mode with the repository appended after the standard library (a repository `unittest.py` cannot shadow
+        it)."""
         if not synthetic.holds(answer, self.repo.answer_parts):
             return False
         runner = (f"import os, sys, unittest\nsys.path.append(os.getcwd())\n\n{self.repo.hidden_tests}\n\n"
@@ -249,7 +254,7 @@ class SandboxRepo:
         return runs_to_completion(runner, self.root, self.limits)
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
 
 
 def _act(name: str, **args: Any) -> dict:
