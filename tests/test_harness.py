@@ -397,6 +397,9 @@ def _scripted_reply_app(state):
                 for _ in range(8):
                     await asyncio.sleep(0.4)
                     yield ev({"content": "4"})
+            elif state["mode"] == "many":      # one reply with five tool calls
+                yield ev({"tool_calls": [{"index": i, "id": f"c{i}", "function": {"name": "t", "arguments": "{}"}}
+                                         for i in range(5)]})
             elif len(body["messages"]) == 1:   # "noid": a tool call without an id, then the answer
                 yield ev({"tool_calls": [{"index": 0, "function": {"name": "t", "arguments": "{}"}}]})
             else:
@@ -439,6 +442,33 @@ def test_time_limits_hold_for_the_whole_task_and_request_and_tool_call_ids_match
         assert r["success"]
         messages = state["bodies"][-1]["messages"]
         assert messages[1]["tool_calls"][0]["id"] == messages[2]["tool_call_id"] == "call_0_0"
+
+
+def test_the_task_time_is_checked_before_each_tool_call_of_a_reply():
+    """Found by a hostile pass (session 54): the task's time was checked between steps only, so one reply with
+    many slow tool calls ran them all past it. Five calls of 0.3 s under a 0.5 s task: one or two run, then a timeout."""
+    ran = []
+
+    class Env:
+        def call(self, name, args):
+            ran.append(name)
+            time.sleep(0.3)
+            return "ok"
+
+        def check(self, answer):
+            return False
+
+        def close(self):
+            pass
+
+    tool = {"type": "function", "function": {"name": "t", "description": "", "parameters": {"type": "object",
+                                                                                          "properties": {}}}}
+    task = agent_suites.HarnessTask("probe", "probe", [tool], [{"role": "user", "content": "q"}], [], lambda: Env())
+    state = {"mode": "many", "bodies": []}
+    with serve_in_thread(_scripted_reply_app(state)) as url, httpx.Client() as client:
+        ep = harness.Endpoint(url + "/v1", "m")
+        r = harness.run_task(client, harness.HarnessConfig([ep], task_timeout_s=0.5), ep, task, {})
+    assert r["reason"] == "timeout" and 1 <= len(ran) <= 2 and r["total_s"] < 1.2, (r["reason"], ran, r["total_s"])
 
 
 def test_two_conditions_with_one_label_are_refused():

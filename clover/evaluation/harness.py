@@ -143,8 +143,11 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
             messages.append({"role": "assistant", "content": reply.content or None, "tool_calls": [
                 {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                 for c in reply.tool_calls]})
-            bad = False
+            bad = out_of_time = False
             for c in reply.tool_calls:
+                if time.perf_counter() - t_start > cfg.task_timeout_s:   # (one reply may hold many slow calls: the
+                    out_of_time = True                                   # task's time is checked before each)
+                    break
                 total_args += 1
                 t_tool = time.perf_counter()
                 try:
@@ -163,6 +166,9 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
             steps.append(record)
             if bad:
                 reason = "invalid_tool_call"
+                break
+            if out_of_time:
+                reason = "timeout"
                 break
             continue
         record["tool_s"] = 0.0
