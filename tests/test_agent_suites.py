@@ -102,9 +102,10 @@ def test_coding_tools_are_confined_to_the_repository():
 
 def test_what_a_program_leaves_in_the_repository_never_crashes_a_tool_the_check_or_the_cleanup():
     """Found by a hostile pass (session 54): a symlink loop made read_file / write_file / list_files raise
-    RuntimeError, a tree 1,200 directories deep RecursionError (in list_files, in the cleanup and in the check's),
+    RuntimeError, a tree 1,200 directories deep RecursionError (in list_files and in the cleanup; Python 3.11),
     a pipe left where write_file writes blocked the harness for ever, and a lone surrogate in an answer raised in
-    the check: each stopped the whole evaluation. Now each is a tool's error, a failed check, or cleaned up."""
+    the check: each stopped the whole evaluation. Now each is a tool's error (or, for list_files on a Python
+    whose walk is not recursive, a listing), a check that runs, or cleaned up."""
     env = S.suite_tasks("coding", 1)[0].open()
     try:
         code = ("import os\nos.symlink('loop', 'loop')\nos.mkfifo('pipe')\nos.makedirs('deep', exist_ok=True)\n"
@@ -112,10 +113,11 @@ def test_what_a_program_leaves_in_the_repository_never_crashes_a_tool_the_check_
         assert env.call("write_file", {"path": "mess.py", "content": code}) == "ok"
         assert env.call("run", {"command": "python mess.py"}).split() == ["exit", "code", "0", "made"]
         for name, args in (("read_file", {"path": "loop"}), ("write_file", {"path": "loop", "content": "x"}),
-                           ("edit_file", {"path": "loop", "old": "a", "new": "b"}), ("list_files", {}),
+                           ("edit_file", {"path": "loop", "old": "a", "new": "b"}),
                            ("write_file", {"path": "pipe", "content": "x"})):
             assert env.call(name, args).startswith("error:"), name
-        assert env.check("anything") is False
+        assert isinstance(env.call("list_files", {}), str)
+        assert env.check(" ".join(env.repo.answer_parts)) in (True, False)   # (the hidden tests run, in the mess)
     finally:
         env.close()
     assert not env.root.exists()

@@ -156,6 +156,8 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
                 except json.JSONDecodeError:
                     args, ok = {}, False
                 result = env.call(c["name"], args) if ok else "error: invalid tool call"
+                # (a file name that is not UTF-8 comes back as lone surrogates, which no request can carry)
+                result = result.encode("utf-8", "backslashreplace").decode("utf-8")
                 valid_args += ok
                 malformed += not ok
                 bad |= not ok
