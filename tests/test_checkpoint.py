@@ -617,3 +617,100 @@ def test_uneven_per_expert_tensors_and_ordinary_eos_ids_are_refused(tmp_path):
     save_checkpoint(model, tmp_path / "m", extra_files=tok.files())
     with pytest.raises(CheckpointError, match=rf"eos_token_id holds \[{plain}\], not special tokens"):
         load_for_generation(str(tmp_path / "m"))
+
+
+def test_hostile_checkpoint_files_are_one_error_naming_them_and_read_nothing_large(tmp_path, debug_model, monkeypatch):
+    """Found by a hostile pass on checkpoints (session 54): JSON nested 200,000 deep was a RecursionError traceback
+    (config, generation config, index, tokenizer config); a settings file of gigabytes (sparse on disk) was read
+    whole (MemoryError); a stray tensor of gigabytes was read and cast before its name was refused; a float8 head
+    loaded (and a mixed checkpoint took the dtype of its first tensor); a tensor in two shards came silently from
+    the last; a config with no end-of-sequence id decoded past <|im_end|>; 1,020 missing layers' names made an
+    888 KB message; a `*` in a missing directory's name globbed another model's leftover copy."""
+    from clover.model import checkpoint as ck
+    from clover.model.checkpoint import load_for_generation
+    from clover.model.tokenizer import Tokenizer, TokenizerError, stdlib_texts
+
+    tok = Tokenizer.train(list(stdlib_texts())[:20], vocab_size=debug_model.config.vocab_size)
+    model = CloverForCausalLM.from_scratch(CloverConfig.preset(
+        "debug", mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_ids), seed=0)
+    good = tmp_path / "good"
+    save_checkpoint(model, good, extra_files=tok.files())
+
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        return d
+
+    deep = "[" * 200_000 + "]" * 200_000
+    for name, error in (("config.json", CheckpointError), ("generation_config.json", CheckpointError)):
+        d = copy("deep-" + name)
+        (d / name).write_text(deep)
+        with pytest.raises(error, match=f"{name} is not valid JSON: nested too deeply"):
+            load_for_generation(str(d))
+    d = copy("deep-tokcfg")
+    (d / "chat_template.jinja").unlink()
+    (d / "tokenizer_config.json").write_text(deep)
+    with pytest.raises(TokenizerError, match="tokenizer_config.json is not valid JSON: nested too deeply"):
+        Tokenizer.load(d)
+    d = copy("huge")
+    with open(d / "config.json", "r+b") as f:   # 100 MiB, sparse: nothing is written to the disk
+        f.truncate(100 * 2**20)
+    with pytest.raises(CheckpointError, match=r"config.json is 100 MiB; a file of this kind is at most 64 MiB"):
+        load_checkpoint(d)
+
+    # tensors: checked by name, shape and dtype from the headers before any is read
+    tensors = load_file(str(good / "model.safetensors"))
+    d = copy("stray")
+    save_file({**tensors, "zz.junk": torch.zeros(2**20)}, str(d / "model.safetensors"))
+    monkeypatch.setattr(ck, "iter_tensors", lambda *a: pytest.fail("tensor data read before the names were checked"))
+    with pytest.raises(CheckpointError, match="unexpected tensors: zz.junk"):
+        load_checkpoint(d)
+    d = copy("f8")
+    save_file({**tensors, "lm_head.weight": tensors["lm_head.weight"].to(torch.float8_e4m3fn)},
+              str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"floating dtype Clover does not run .*: lm_head.weight \(F8_E4M3\)"):
+        load_checkpoint(d)
+    d = copy("layers")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 64, "layer_types": None}))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(d)
+    assert "missing tensors:" in str(info.value) and "in all)" in str(info.value) and len(str(info.value)) < 2000
+    monkeypatch.undo()
+    d = copy("mixed")
+    save_file({**tensors, "lm_head.weight": tensors["lm_head.weight"].half()}, str(d / "model.safetensors"))
+    assert load_checkpoint(d).dtype == torch.float32   # (the dtype of most of the parameters, not of the first)
+    d = copy("shards")
+    save_checkpoint(model, d, max_shard_bytes=200_000, extra_files=tok.files())
+    holder = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    other = next(p for p in sorted(d.glob("model-*.safetensors")) if p.name != holder)   # a zero head there too
+    save_file({**load_file(str(other)), "lm_head.weight": torch.zeros_like(tensors["lm_head.weight"])}, str(other))
+    with pytest.raises(CheckpointError, match=r"tensor lm_head.weight is in both model-"):
+        load_checkpoint(d)
+    d = copy("noeos")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "eos_token_id": []}))
+    with pytest.raises(CheckpointError, match="config.json has no eos_token_id"):
+        load_for_generation(str(d))
+    shutil.copytree(good, tmp_path / ".other.old-1")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "*")
+
+
+def test_a_chat_template_is_held_to_a_budget():
+    """Found by a hostile pass on checkpoints (session 54): two nested loops over range(100000) hung `clover chat`,
+    and `'x' * 10**10` or a loop printing 10 GB ended it with MemoryError; a template that rendered nothing was
+    reported as an empty prompt the user gave. Each is now a ChatFormatError naming the template."""
+    from clover.model.chat import ChatFormatError, render_chat
+
+    hi = [{"role": "user", "content": "hi"}]
+    for template, message in [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "loop steps"),
+        ("{{ 'x' * 10**10 }}", "repetition"), ("{{ 2 ** 100000 }}", "power"),
+        ("{% for i in range(100000) %}{{ 'y' * 100000 }}{% endfor %}", "characters of output"),
+        ("{% if false %}x{% endif %}", "rendered nothing"),
+    ]:
+        with pytest.raises(ChatFormatError, match=f"chat template failed: .*{message}"):
+            render_chat(template, hi)
+    assert render_chat("{{ range(5)|length }}{{ range(9)[3] }}{% for i in range(2) %}{{ loop.length }}{% endfor %}",
+                       hi) == "5322"

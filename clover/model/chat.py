@@ -13,16 +13,18 @@ that a rendered conversation extends its own generation prompts; earlier turns d
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError, safe_range
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -46,11 +48,56 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+# What a checkpoint's template may spend on one rendering (a hostile pass, session 54: two nested loops over
+# range(100000) hung a `clover chat`; `'x' * 10**10` ended it with MemoryError): steps of its `range` loops (each
+# range is capped at 100,000 by Jinja's sandbox already), characters of output, and the size of a `*` or `**`.
+MAX_TEMPLATE_STEPS = 10_000_000
+MAX_RENDERED_CHARS = 64 * 2**20
+_steps_left: contextvars.ContextVar[list[int]] = contextvars.ContextVar("template_steps")
+
+
+class _CountedRange:
+    """`range` for templates: each step taken counts against the rendering's budget."""
+
+    def __init__(self, *args: int) -> None:
+        self.r = safe_range(*args)
+
+    def __len__(self) -> int:
+        return len(self.r)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.r[i]
+
+    def __iter__(self) -> Iterator[int]:
+        left = _steps_left.get([MAX_TEMPLATE_STEPS])
+        for x in self.r:
+            left[0] -= 1
+            if left[0] < 0:
+                raise SecurityError(f"more than {MAX_TEMPLATE_STEPS:,} loop steps")
+            yield x
+
+
+class _TemplateEnvironment(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox with a size check on `*` (repeating a string or list) and `**`."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDERED_CHARS:
+                raise SecurityError(f"a repetition of more than {MAX_RENDERED_CHARS:,} items")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1000:
+            raise SecurityError("a power above 1000")
+        return super().call_binop(context, operator, left, right)
+
+
 # The environment transformers' apply_chat_template uses (trim_blocks, lstrip_blocks, loop controls,
 # tojson without HTML escaping, raise_exception): a template renders the same here and there.
-_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+_ENV = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 _ENV.filters["tojson"] = _tojson
 _ENV.globals["raise_exception"] = _raise
+_ENV.globals["range"] = _CountedRange
 
 
 def _check_messages(messages: list[dict]) -> list[dict]:
@@ -169,14 +216,26 @@ def render_chat(
     if not messages:
         raise ChatFormatError("messages is empty")
     messages, tools = _check_messages(messages), validate_tools(tools) or None
+    token = _steps_left.set([MAX_TEMPLATE_STEPS])
     try:
-        return _compiled(template).render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                          enable_thinking=enable_thinking, **extra)
-    except TemplateError as exc:
+        out, size = [], 0
+        for piece in _compiled(template).generate(messages=messages, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  enable_thinking=enable_thinking, **extra):
+            size += len(piece)
+            if size > MAX_RENDERED_CHARS:
+                raise SecurityError(f"more than {MAX_RENDERED_CHARS:,} characters of output")
+            out.append(piece)
+        if not size:   # (else reported as an empty prompt, as if the user had given none)
+            raise ChatFormatError("chat template failed: it rendered nothing for these messages")
+        return "".join(out)
+    except TemplateError as exc:   # (SecurityError included: the budgets above)
         raise ChatFormatError(f"chat template failed: {exc}") from exc
-    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError, MemoryError) as exc:
         # a checkpoint's own template may fail at render time (`{{ 1 // 0 }}`, a macro that calls itself)
-        raise ChatFormatError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        raise ChatFormatError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        _steps_left.reset(token)
 
 
 # -- output parsing -------------------------------------------------------------------------------------

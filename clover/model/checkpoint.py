@@ -8,6 +8,7 @@ interrupted save never leaves a half-written checkpoint under the target name.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from clover.model.config import CloverConfig, ConfigError, GenerationConfig
-from clover.model.files import check_replaceable, write_directory
+from clover.model.files import check_replaceable, read_json, write_directory
 from clover.model.modeling import CloverForCausalLM, RotaryEmbedding
 from clover.model.tokenizer import Tokenizer, TokenizerError
 
@@ -71,9 +72,9 @@ def load_generation_config(directory: str | os.PathLike) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+        data = read_json(path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -153,13 +154,13 @@ def _kept_generation_config(directory: Path, config: CloverConfig) -> str | None
     text = path.read_text()
     try:
         kept = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
     if not isinstance(kept, dict):
         return text
     try:
         before = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         before = None
     if not isinstance(before, dict):
         return text
@@ -212,9 +213,9 @@ def weight_files(directory: Path) -> list[Path]:
     index = directory / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
+            weight_map = read_json(index)["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f and "/" not in f
                                                        for f in weight_map.values()):
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names in {directory}")
@@ -229,6 +230,28 @@ def weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{directory} holds no {SINGLE_NAME} and no {INDEX_NAME}")
 
 
+# the floating dtypes a checkpoint may store (safetensors' names); others (float8...) are refused by name
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def tensor_headers(directory: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (shape, safetensors dtype)} of a checkpoint's tensors, from the files' headers (no tensor data
+    read); a CheckpointError for a file that cannot be read, or a tensor that two shards hold."""
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    where: dict[str, str] = {}
+    for path in weight_files(Path(directory)):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if name in where:
+                        raise CheckpointError(f"{directory}: tensor {name} is in both {where[name]} and {path.name}")
+                    part = f.get_slice(name)
+                    found[name], where[name] = (tuple(part.get_shape()), part.get_dtype()), path.name
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path} is corrupted or truncated: {exc}") from exc
+    return found
+
+
 def iter_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of a checkpoint directory, file by file."""
     for path in weight_files(Path(directory)):
@@ -238,6 +261,41 @@ def iter_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path} is corrupted or truncated: {exc}") from exc
+        except (RuntimeError, MemoryError) as exc:   # (a tensor larger than memory, or than its file maps)
+            raise CheckpointError(f"{path}: a tensor could not be read: {exc}") from None
+
+
+def _some(names: list[str], limit: int = 6) -> str:
+    """A list of names for an error message: the first few, and how many in all (a config of 1,024 layers against
+    weights of 4 listed 888 KB of names)."""
+    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _check_headers(config: CloverConfig, found: dict[str, tuple[tuple[int, ...], str]], source: str) -> None:
+    """The checkpoint's tensor names, shapes and dtypes (from its headers) against what `config` builds, before any
+    tensor data is read: a stray tensor of gigabytes is refused by name, not read into memory first."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in CloverForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:   # (a head of its own is refused after reading, unless equal to the embeddings)
+        expected.pop("lm_head.weight", None)
+        found = {k: v for k, v in found.items() if k != "lm_head.weight"}
+    problems = []
+    odd = sorted(f"{k} ({d})" for k, (_, d) in found.items()
+                 if k in expected and d not in FLOAT_DTYPES and d.startswith(("F", "BF", "E")))
+    if odd:
+        problems.append(f"tensors in a floating dtype Clover does not run (float64, float32, bfloat16 and float16 "
+                        f"only): {_some(odd)}")
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    misshaped = sorted(f"{k} (checkpoint {found[k][0]}, config expects {expected[k]})"
+                       for k in set(expected) & set(found) if found[k][0] != expected[k])
+    if missing:
+        problems.append(f"missing tensors: {_some(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_some(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors: {_some(misshaped)}")
+    if problems:
+        raise CheckpointError(f"{source} does not match its config; " + "; ".join(problems))
 
 
 def _check_and_assign(model: CloverForCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -259,13 +317,13 @@ def _check_and_assign(model: CloverForCausalLM, tensors: dict[str, torch.Tensor]
                       if expected[k].is_floating_point() and not tensors[k].is_floating_point())
     problems = []
     if mistyped:
-        problems.append(f"tensors that are not floating point: {', '.join(mistyped)}")
+        problems.append(f"tensors that are not floating point: {_some(mistyped)}")
     if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
+        problems.append(f"missing tensors: {_some(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+        problems.append(f"unexpected tensors: {_some(unexpected)}")
     if misshaped:
-        problems.append(f"mis-shaped tensors: {', '.join(misshaped)}")
+        problems.append(f"mis-shaped tensors: {_some(misshaped)}")
     if problems:
         raise CheckpointError(f"{source} does not match its config; " + "; ".join(problems))
     model.load_state_dict(tensors, strict=not model.config.tie_word_embeddings, assign=True)
@@ -279,8 +337,12 @@ def build_model(
 ) -> CloverForCausalLM:
     """A model whose parameters are `tensors` (checked by name and shape), cast to dtype, on device."""
     device = resolve_device(device)
-    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
-    dtype = dtype or (floats[0] if floats else torch.float32)
+    if dtype is None:   # as stored: the floating dtype that holds most of the parameters (a checkpoint may mix)
+        sizes: dict[torch.dtype, int] = {}
+        for t in tensors.values():
+            if t.is_floating_point():
+                sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+        dtype = max(sizes, key=sizes.get) if sizes else torch.float32
     # fresh, owned buffers (not views of a file mapping): the same memory layout as a model built in
     # place, so that kernels take the same paths and a resumed run repeats an uninterrupted one bit for bit
     tensors = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)).clone()
@@ -292,18 +354,23 @@ def build_model(
     return model.eval()
 
 
+def checkpoint_directory(directory: str | os.PathLike) -> Path:
+    """`directory`, or, where it is missing because a save is between its two renames (or was killed there),
+    the previous version where that save moved it (read without touching anything: the writer, or the next
+    write, completes or recovers the swap)."""
+    directory = Path(directory)
+    if not directory.is_dir() and directory.parent.is_dir():
+        olds = sorted(directory.parent.glob(f".{glob.escape(directory.name)}.old-*"), key=lambda p: p.stat().st_mtime)
+        if olds:
+            return olds[-1]
+    return directory
+
+
 def load_checkpoint(
     directory: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> CloverForCausalLM:
     """Load a Clover checkpoint directory. dtype: float32 / bfloat16 / float16 / None (as stored)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        # a save between its two renames (or killed there): read the previous version where it was moved,
-        # without touching anything (the writer, or the next write, completes or recovers the swap)
-        olds = sorted(directory.parent.glob(f".{directory.name}.old-*"), key=lambda p: p.stat().st_mtime) \
-            if directory.parent.is_dir() else []
-        if olds:
-            directory = olds[-1]
+    directory = checkpoint_directory(directory)
     if not directory.is_dir():
         if directory == DEFAULT_MODEL_DIR:
             raise CheckpointError(
@@ -317,6 +384,7 @@ def load_checkpoint(
         config = CloverConfig.load(directory)
     except (ConfigError, FileNotFoundError) as exc:
         raise CheckpointError(f"{directory}: {exc}") from exc
+    _check_headers(config, tensor_headers(directory), str(directory))
     tensors = dict(iter_tensors(directory))
     return build_model(config, tensors, str(directory), resolve_dtype(dtype), device)
 
@@ -369,9 +437,9 @@ def convert_transformers_checkpoint(
     if not cfg_path.is_file():
         raise CheckpointError(f"no config.json in {source}")
     try:
-        data = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg_path} is not valid JSON: {exc}") from exc
+        data = read_json(cfg_path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{cfg_path} must hold a JSON object")
     if block_size is not None:
@@ -457,7 +525,8 @@ def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str 
     if model_dir is not None and not model_dir.strip():   # e.g. `--model "$UNSET"`: not the shipped model
         raise ValueError("the model directory is empty; give a checkpoint directory, or leave the option out "
                          "for the shipped model")
-    directory = Path(model_dir) if model_dir else default_model_dir()
+    # (where a save is between its renames, the model, its tokenizer and its settings all come from the copy read)
+    directory = checkpoint_directory(Path(model_dir) if model_dir else default_model_dir())
     model = load_checkpoint(directory, dtype=dtype, device=device)
     tokenizer = Tokenizer.load(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -469,6 +538,9 @@ def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str 
         raise CheckpointError(f"{directory}: config.json mask_token_id {model.config.mask_token_id} is not the "
                               f"tokenizer's mask token ({tokenizer.mask_token_id}); convert the source again, or set "
                               "mask_token_id in config.json to the tokenizer's")
+    if not model.config.eos_token_ids and tokenizer.eos_token_ids:   # (a reply would never end)
+        raise CheckpointError(f"{directory}: config.json has no eos_token_id; the tokenizer's end-of-sequence "
+                              f"tokens are {tokenizer.eos_token_ids}")
     ordinary = [t for t in model.config.eos_token_ids if t not in tokenizer.special_ids.values()]
     if ordinary:
         raise CheckpointError(f"{directory}: config.json eos_token_id holds {ordinary}, not special tokens of the "

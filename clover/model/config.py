@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from clover.model.files import write_text_atomic
+from clover.model.files import read_json, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -300,10 +300,9 @@ class CloverConfig:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in {directory}")
         try:
-            with open(path) as f:
-                data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+            data = read_json(path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return cls.from_dict(data)
 
     @classmethod

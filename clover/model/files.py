@@ -55,13 +55,33 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def read_text(path: str | os.PathLike) -> str:
-    """A UTF-8 text file's text; a file that is not UTF-8 is a ValueError naming it and where it goes wrong
-    (a bare codec error names neither)."""
+MAX_SETTINGS_BYTES = 64 * 2**20   # a checkpoint's settings and template files (its tokenizer.json excepted)
+
+
+def read_text(path: str | os.PathLike, max_bytes: int | None = None) -> str:
+    """A UTF-8 text file's text; a file that is not UTF-8, or (with `max_bytes`) larger than that, is a
+    ValueError naming it and what is wrong (a bare codec error names neither; a file of gigabytes, sparse on
+    disk, was read whole into memory)."""
+    if max_bytes is not None and (size := os.path.getsize(path)) > max_bytes:
+        raise ValueError(f"{path} is {size / 2**20:,.0f} MiB; a file of this kind is at most "
+                         f"{max_bytes / 2**20:.0f} MiB")
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def read_json(path: str | os.PathLike, max_bytes: int = MAX_SETTINGS_BYTES) -> Any:
+    """A JSON file's value (a checkpoint's settings); a ValueError naming the file where it is too large, not
+    UTF-8, not JSON, nested too deeply for the parser, or holds a number too long to read."""
+    text = read_text(path, max_bytes)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path} is not valid JSON: nested too deeply") from None
+    except ValueError as exc:   # (json.JSONDecodeError; an integer of more than 4,300 digits)
+        why = "a number too long to read" if "digits" in str(exc) else str(exc)
+        raise ValueError(f"{path} is not valid JSON: {why}") from None
 
 
 def json_lines(path: str | os.PathLike, skip_bad: bool = False) -> list[tuple[str, Any]]:

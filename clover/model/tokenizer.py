@@ -21,7 +21,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
-from clover.model.files import read_text
+from clover.model.files import MAX_SETTINGS_BYTES, read_json, read_text
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -44,11 +44,9 @@ def read_chat_template(directory: str | os.PathLike) -> str:
     cfg = directory / "tokenizer_config.json"
     try:
         if (directory / "chat_template.jinja").is_file():
-            return read_text(directory / "chat_template.jinja")
-        data = json.loads(read_text(cfg)) if cfg.is_file() else {}
-    except json.JSONDecodeError as exc:
-        raise TokenizerError(f"{cfg} is not valid JSON: {exc}") from exc
-    except ValueError as exc:   # (not UTF-8 text)
+            return read_text(directory / "chat_template.jinja", MAX_SETTINGS_BYTES)
+        data = read_json(cfg) if cfg.is_file() else {}
+    except ValueError as exc:   # (not UTF-8, not JSON, too large)
         raise TokenizerError(str(exc)) from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{cfg} must hold a JSON object, got {type(data).__name__}")
@@ -222,7 +220,10 @@ class Tokenizer:
             tk = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the Rust library raises its own exception type
             raise TokenizerError(f"{path} could not be read: {exc}") from exc
-        return cls(tk, read_chat_template(directory))
+        try:
+            return cls(tk, read_chat_template(directory))
+        except TokenizerError as exc:   # (a message that names the file)
+            raise TokenizerError(f"{path}: {exc}" if str(path) not in str(exc) else str(exc)) from None
 
     def encodes_like(self, other: Tokenizer) -> bool:
         """Whether `other` turns text into the same ids: the same normaliser, pre-tokenizer, vocabulary and
