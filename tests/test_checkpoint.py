@@ -62,7 +62,9 @@ def test_real_shape_preset_counts():
     ({"eos_token_id": 511}, "must differ from the end-of-sequence"),
     # shapes a hand-edited config.json or an --override can hold (each was a TypeError or accepted before)
     ({"rms_norm_eps": math.nan}, "rms_norm_eps must be a finite number"),
-    ({"rms_norm_eps": 0.0}, "rms_norm_eps must be positive"),
+    ({"rms_norm_eps": 0.0}, r"rms_norm_eps must be in \(0, 1\)"),
+    ({"rms_norm_eps": 1e300}, r"rms_norm_eps must be in \(0, 1\)"),   # (loaded; every reply was empty)
+    ({"rope_parameters": {"rope_theta": 1e-300}}, r"rope_theta must be in \[1, 1e12\]"),   # (failed at decode)
     ({"layer_types": 3}, "layer_types must be a list"),
     ({"hidden_size": "64"}, "hidden_size must be a positive integer"),
     ({"rope_parameters": [1]}, "rope_parameters must be an object"),
@@ -714,3 +716,31 @@ def test_a_chat_template_is_held_to_a_budget():
             render_chat(template, hi)
     assert render_chat("{{ range(5)|length }}{{ range(9)[3] }}{% for i in range(2) %}{{ loop.length }}{% endfor %}",
                        hi) == "5322"
+
+
+def test_named_chat_templates_and_disagreeing_special_ids_in_the_settings(tmp_path, caplog):
+    """Found by a hostile pass on checkpoints (session 54): a `chat_template` given as transformers' list of named
+    templates fell back to Clover's own without a word; generation_config.json's eos / mask ids that differ from
+    config.json's were ignored silently (config.json's are used: now a warning says so)."""
+    from clover.model.checkpoint import load_for_generation
+    from clover.model.tokenizer import Tokenizer, TokenizerError
+
+    shipped = Path(load_for_generation(None).directory)
+    d = tmp_path / "m"
+    shutil.copytree(shipped, d)
+    (d / "chat_template.jinja").unlink()
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ messages[0].content }}!"}]
+    (d / "tokenizer_config.json").write_text(json.dumps({**json.loads((d / "tokenizer_config.json").read_text()),
+                                                         "chat_template": named}))
+    assert Tokenizer.load(d).chat_template == "{{ messages[0].content }}!"
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": named[:1]}))
+    with pytest.raises(TokenizerError, match="none of them named 'default'"):
+        Tokenizer.load(d)
+    shutil.rmtree(d)
+    shutil.copytree(shipped, d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [5], "mask_token_id": 9}))
+    with caplog.at_level("WARNING", logger="clover.model.checkpoint"):
+        load_for_generation(str(d))
+    assert "generation_config.json's eos_token_id [5] differs from config.json's [0, 2]" in caplog.text
+    assert "mask_token_id" not in caplog.text

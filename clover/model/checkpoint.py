@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import re
@@ -26,6 +27,8 @@ from clover.model.config import CloverConfig, ConfigError, GenerationConfig
 from clover.model.files import check_replaceable, read_json, write_directory
 from clover.model.modeling import CloverForCausalLM, RotaryEmbedding
 from clover.model.tokenizer import Tokenizer, TokenizerError
+
+logger = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -545,8 +548,15 @@ def load_for_generation(model_dir: str | None, dtype: str = "auto", device: str 
     if ordinary:
         raise CheckpointError(f"{directory}: config.json eos_token_id holds {ordinary}, not special tokens of the "
                               f"tokenizer (its end-of-sequence tokens are {tokenizer.eos_token_ids})")
+    settings = load_generation_config(directory)
     try:
-        generation = GenerationConfig.from_dict(load_generation_config(directory))
+        generation = GenerationConfig.from_dict(settings)
     except ConfigError as exc:
         raise CheckpointError(f"{directory / 'generation_config.json'}: {exc}") from None
+    ids = lambda v: sorted(map(str, v)) if isinstance(v, list) else [str(v)]  # noqa: E731
+    for key, mine in (("eos_token_id", model.config.eos_token_ids), ("mask_token_id", model.config.mask_token_id)):
+        theirs = settings.get(key)   # (decoding reads config.json's: say so where the two disagree)
+        if theirs is not None and ids(theirs) != ids(mine):
+            logger.warning("%s: generation_config.json's %s %s differs from config.json's %s, which is used",
+                           directory, key, theirs, mine)
     return Loaded(model, tokenizer, generation, directory)

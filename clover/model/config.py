@@ -223,8 +223,8 @@ class CloverConfig:
             raise ConfigError(
                 f"head_dim * partial_rotary_factor = {self.head_dim} * {factor} must be an even integer >= 2"
             )
-        if self.rope_theta <= 0:
-            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        if not 1.0 <= self.rope_theta <= 1e12:   # (1e-300 loaded, and failed at decode time blaming the weights)
+            raise ConfigError(f"rope_theta must be in [1, 1e12], got {self.rope_theta}")
         if self.attention_bias:
             raise ConfigError("attention_bias=True is not supported (Qwen3.5-MoE has no attention bias)")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -234,8 +234,8 @@ class CloverConfig:
                 raise ConfigError(f"special token id {tok} is outside the vocabulary [0, {self.vocab_size})")
         if self.mask_token_id in self.eos_token_ids:
             raise ConfigError(f"mask_token_id {self.mask_token_id} must differ from the end-of-sequence ids")
-        if self.rms_norm_eps <= 0:
-            raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if not 0 < self.rms_norm_eps < 1:   # (1e300 loaded, and every reply was empty)
+            raise ConfigError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps}")
         if self.attention_dropout >= 1:
             raise ConfigError(f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
 

@@ -51,6 +51,11 @@ def read_chat_template(directory: str | os.PathLike) -> str:
     if not isinstance(data, dict):
         raise TokenizerError(f"{cfg} must hold a JSON object, got {type(data).__name__}")
     template = data.get("chat_template")
+    if isinstance(template, list):   # transformers' named templates: the one named "default" is the chat's
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if not isinstance(named.get("default"), str):
+            raise TokenizerError(f"{cfg}: chat_template is a list of named templates, none of them named 'default'")
+        template = named["default"]
     if not isinstance(template, str) or hashlib.sha256(template.encode()).hexdigest() == _LEGACY_TEMPLATE_SHA256:
         return DEFAULT_CHAT_TEMPLATE
     return template
