@@ -781,13 +781,19 @@ def test_absurd_configs_are_refused_before_allocation():
 
 def test_a_stream_cut_by_shutdown_gets_a_final_error_event():
     """Past the grace period, a stream still running ends with an error event (503 server_shutting_down),
-    not a silent hang-up."""
+    not a silent hang-up. (Each step of the scripted model takes 5 ms, so the 800 tokens outlast the 0.2 s grace
+    by seconds: without it the reply could end within the grace on a fast machine, and the test failed.)"""
     from fastapi.testclient import TestClient
+
+    class SlowScript(TextScriptModel):
+        def causal(self, *args, **kwargs):
+            time.sleep(0.005)
+            return super().causal(*args, **kwargs)
 
     tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
     config = CloverConfig.preset("debug", vocab_size=280, mask_token_id=tok.mask_token_id,
                                  eos_token_id=tok.eos_token_ids)
-    app = build_app(TextScriptModel([5] * 900, config), tok, ServerConfig(model_name="m"))
+    app = build_app(SlowScript([5] * 900, config), tok, ServerConfig(model_name="m"))
     engine = app.state.engine
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 800, "stream": True, "ignore_eos": True,
             "algorithm": "ar"}
