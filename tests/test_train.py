@@ -970,3 +970,137 @@ def test_the_optimizer_is_fused_adamw_equal_to_the_multi_tensor_one():
             opt.step()
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert (weights[0] - weights[1]).abs().max() < 1e-6
+
+
+def _copy_data(data_dir, tmp_path, name="data"):
+    import shutil
+
+    out = tmp_path / name
+    shutil.copytree(data_dir, out)
+    return out
+
+
+def test_shards_are_checked_against_the_tokenizer_as_they_load(data_dir, tmp_path):
+    """Found by a hostile pass on training (session 54): an id outside the vocabulary was met only when a window
+    held it (the run stopped at that step on every resume, the message naming no file); shards of a 512-token
+    tokenizer trained without a word beside a smaller one; bool chat ids, a mask of 255, and --sft on a shard that
+    marks no assistant token (every loss empty) trained too."""
+    import numpy as np
+
+    d = _copy_data(data_dir, tmp_path)
+    code = np.memmap(d / "tokens" / "train_code.bin", dtype=np.uint16, mode="r+")
+    code[len(code) // 2] = 40000
+    code.flush()
+    del code
+    with pytest.raises(ValueError, match=r"train_code.bin holds token id 40000, outside the tokenizer's vocabulary"):
+        train(_cfg(d, tmp_path / "r1", steps=1))
+    d = _copy_data(data_dir, tmp_path, "small-tok")
+    Tokenizer.train([t for _, t in itertools.islice(stdlib_sources(), 4)], vocab_size=300).save(d / "tokenizer")
+    with pytest.raises(ValueError, match=r"outside the tokenizer's vocabulary \[0, 300\)"):
+        train(_cfg(d, tmp_path / "r2", steps=1))
+
+    def chat(name, edit):
+        c = _copy_data(data_dir, tmp_path, name)
+        with np.load(c / "tokens" / "train_chat.npz") as z:
+            arrays = dict(z)
+        edit(arrays)
+        np.savez(c / "tokens" / "train_chat.npz", **arrays)
+        return c
+
+    cases = [(chat("bool", lambda a: a.update(ids=a["ids"] > 5)), {}, "ids must be integers, got bool"),
+             (chat("mask", lambda a: a.update(mask=np.where(a["mask"] > 0, 255, 0).astype(np.uint8))), {},
+              "the assistant mask must hold 0 and 1 only"),
+             (chat("nomask", lambda a: a.update(mask=np.zeros_like(a["mask"]))), {"sft": True},
+              "marks no assistant tokens: --sft would score nothing")]
+    for i, (c, kw, message) in enumerate(cases):
+        with pytest.raises(ValueError, match=message):
+            train(_cfg(c, tmp_path / f"c{i}", steps=1, mix="chat=1", **kw))
+
+
+def test_a_fresh_run_writes_only_into_a_new_empty_or_earlier_run_directory(data_dir, tmp_path):
+    """Found by a hostile pass on training (session 54): --out holding a user's notes.txt and own train_config.json
+    was trained into (their train_config.json overwritten), and --out inside --data put a run in the data."""
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="holds notes.txt, which a training run does not write"):
+        train(_cfg(data_dir, user, steps=1))
+    (user / "notes.txt").unlink()
+    (user / "train_config.json").write_text('{"my": "settings"}')
+    with pytest.raises(ValueError, match="is not a training run's settings"):
+        train(_cfg(data_dir, user, steps=1))
+    assert (user / "train_config.json").read_text() == '{"my": "settings"}'
+    with pytest.raises(ValueError, match="is inside --data"):
+        train(_cfg(data_dir, data_dir / "tokens" / "run", steps=1))
+    assert not (data_dir / "tokens" / "run").exists()
+
+
+def test_data_commands_never_replace_data_they_do_not_own(data_dir, tmp_path, capsys):
+    """Found by a hostile pass on training (session 54): `data distill --data D2 --out D1`, D2 distilled from D1,
+    exited 0 and deleted D1's corpus, tokenizer and shards (D1's became links to themselves); distilling over a
+    `data build` directory replaced its corpus with links; `data build --out` a directory holding someone's
+    manifest.json and raw/notes.txt deleted them."""
+    d1 = _copy_data(data_dir, tmp_path, "d1")
+    d2 = tmp_path / "d2"
+    d2.mkdir()
+    (d2 / "tokens").mkdir()
+    for name in ("tokenizer", "raw", "manifest.json"):
+        if (d1 / name).exists():
+            (d2 / name).symlink_to(d1 / name)
+    (d2 / "tokens" / "counts.json").write_text("{}")
+    for target in (d1 / "tokens", d1):
+        assert cli_main(["data", "distill", "--model", str(tmp_path / "no-model"), "--data", str(d2),
+                         "--out", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert "would replace --data" in err and (d1 / "tokenizer" / "tokenizer.json").is_file()
+    other = _copy_data(data_dir, tmp_path, "other")
+    assert cli_main(["data", "distill", "--model", str(tmp_path / "no-model"), "--data", str(d1),
+                     "--out", str(other)]) == 1
+    assert "is a data directory of `clover data build`" in capsys.readouterr().err
+    foreign = tmp_path / "foreign"
+    (foreign / "raw").mkdir(parents=True)
+    (foreign / "manifest.json").write_text('{"mine": 1}')
+    (foreign / "raw" / "notes.txt").write_text("keep")
+    assert cli_main(["data", "build", "--out", str(foreign)]) == 1
+    assert "is not a data directory of `clover data build`" in capsys.readouterr().err
+    assert (foreign / "raw" / "notes.txt").read_text() == "keep"
+
+
+def test_running_out_of_memory_is_one_line(monkeypatch, capsys, tmp_path):
+    """Found by a hostile pass on training (session 54): --batch-size 1000000 ended in a 53-line traceback from
+    torch's allocator."""
+    import clover.cli.train as cli_train
+
+    def oom(args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 98304000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(cli_train, "train", lambda *a, **k: oom(a))
+    assert cli_main(["train", "--data", "x", "--out", str(tmp_path / "r"), "--steps", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error: out of memory" in err[0] and "98304000000 bytes" in err[0]
+
+
+def test_distillation_refuses_chat_records_of_another_shape_by_line(data_dir, tmp_path):
+    """Found by a hostile pass on training (session 54): a chat record without "messages" or "tools", a message
+    without a role, or a string for messages was a KeyError / TypeError traceback; no user message "max() arg is an
+    empty sequence"; a line that is not UTF-8 named neither file nor line; no usable prompt at all wrote data that
+    `train` then refused."""
+    import random as _random
+
+    from clover.training.distill import _chat_prompts
+
+    tok = Tokenizer.load(data_dir / "tokenizer")
+    for i, (line, message) in enumerate([
+        (b'{"tools": []}', 'record 1: a chat record holds "messages"'),
+        (b'{"messages": "hello"}', "record 1"), (b'{"messages": [{"content": "x"}]}', "record 1"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', ""),
+        (b'{"messages": [{"role": "user", "content": "x"}]}\n\xff\n', "line 2 is not UTF-8"),
+    ]):
+        d = _copy_data(data_dir, tmp_path, f"d{i}")
+        (d / "raw" / "train" / "chat.jsonl").write_bytes(line + b"\n")
+        if i == 3:   # (valid: a user turn and no assistant turn: no prompt, and no error in the records)
+            assert _chat_prompts(d, tok, 5, _random.Random(0), 10_000) == []
+            continue
+        with pytest.raises(ValueError, match=message):
+            _chat_prompts(d, tok, 5, _random.Random(0), 10_000)

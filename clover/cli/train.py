@@ -15,7 +15,7 @@ from pathlib import Path
 
 from clover.cli.options import nonnegative_int, output_file, positive_int, seed
 from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
-from clover.model.files import check_replaceable, json_lines, write_directory
+from clover.model.files import check_replaceable, json_lines, read_json, write_directory
 from clover.model.tokenizer import SMALLEST_VOCAB, Tokenizer
 from clover.training.data import SHARD_VOCAB, build_corpus, encode_corpus, read_raw, read_texts, require_data
 from clover.training.trainer import TrainConfig, saved_settings, train
@@ -28,6 +28,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     if args.tokenizer and args.isolate_spaces:
         raise ValueError("--isolate-spaces trains a tokenizer: it cannot apply to the one --tokenizer names")
     check_replaceable(out, "manifest.json", "a data directory", DATA_FILES, DATA_DIRS)
+    _check_built_by_us(out)
     # what would fail after minutes of corpus building fails now: a tokenizer that does not load, a vocabulary
     # Tokenizer.train refuses or the uint16 token shards cannot hold
     tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else None
@@ -124,13 +125,39 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=cmd_data_distill)
 
 
+def _check_built_by_us(out: Path) -> None:
+    """A directory `data build` may replace holds its manifest (sources, split rule) and, under raw/, the three
+    splits only: a foreign manifest.json beside a user's raw/notes.txt was deleted with them."""
+    if not (out / "manifest.json").is_file():
+        return
+    try:
+        manifest = read_json(out / "manifest.json")
+    except ValueError:
+        manifest = None
+    foreign = [p.name for p in (out / "raw").iterdir() if p.name not in ("train", "val", "test")] \
+        if (out / "raw").is_dir() else []
+    if not isinstance(manifest, dict) or not {"sources", "split_rule"} <= set(manifest) or foreign:
+        raise ValueError(f"{out} is not a data directory of `clover data build` (its manifest.json, or "
+                         f"{', '.join(f'raw/{n}' for n in foreign[:3]) or 'what it holds'}, is not one's): replacing "
+                         "it would delete it; choose an empty or new directory")
+
+
 def cmd_data_distill(args: argparse.Namespace) -> int:
     from clover.training.distill import build_distill_data
 
     out, data = Path(args.out).resolve(), require_data(args.data).resolve()
-    if out == data or out in data.parents:
-        raise ValueError(f"--out {args.out} would replace --data {args.data}; write it elsewhere")
+    # (distillation data links to its source's tokenizer, corpus and manifest: --out must not be any of the
+    # places those links lead, nor hold them: `distill --data D2 --out D1`, D2 distilled from D1, deleted D1)
+    sources = {data, *((data / name).resolve() for name in ("tokenizer", "raw", "manifest.json", "tokens"))}
+    if any(out == s or out in s.parents for s in sources):
+        raise ValueError(f"--out {args.out} would replace --data {args.data} or the data it links to; write it "
+                         "elsewhere")
     check_replaceable(out, "tokens/counts.json", "distillation data", DATA_FILES, DATA_DIRS)
+    built = [name for name in ("raw", "tokenizer", "manifest.json") if (out / name).exists()
+             and not (out / name).is_symlink()]
+    if built:   # a `clover data build` directory holds them itself; distillation data only links to them
+        raise ValueError(f"{args.out} is a data directory of `clover data build` (its own {', '.join(built)}), not "
+                         "distillation data: replacing it would delete its corpus; choose another --out")
     counts = build_distill_data(args.model, args.data, args.out, args.chat, args.code, args.new_tokens,
                                 batch=args.batch, seed=args.seed)
     print(json.dumps(counts))

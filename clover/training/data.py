@@ -187,11 +187,13 @@ def require_data(directory: str | Path) -> Path:
 def read_raw(out: str | Path, split: str, kind: str) -> Iterator[dict]:
     """The records of raw/SPLIT/KIND.jsonl; a line that is not a JSON object is a ValueError naming it."""
     path = Path(out) / "raw" / split / f"{kind}.jsonl"
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}: line {n} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+            except (json.JSONDecodeError, RecursionError) as exc:
                 raise ValueError(f"{path}: line {n} is not JSON ({exc})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}: line {n} is not a JSON object")
@@ -307,7 +309,24 @@ def _chat_shard(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                          "one conversation")
     if offsets[0] != 0 or offsets[-1] != len(ids) or not (np.diff(offsets) > 0).all():
         raise ValueError(f"{path}: conversation offsets must rise from 0 to the number of ids ({len(ids)})")
+    if not np.issubdtype(ids.dtype, np.integer):   # (bool or float ids were read as 0/1 or truncated)
+        raise ValueError(f"{path}: ids must be integers, got {ids.dtype}")
+    if not (mask.dtype == np.bool_ or np.issubdtype(mask.dtype, np.integer)) or ((mask != 0) & (mask != 1)).any():
+        raise ValueError(f"{path}: the assistant mask must hold 0 and 1 only")
     return ids, mask, offsets
+
+
+def _check_ids(path: Path, ids: np.ndarray, vocab_size: int | None) -> None:
+    """Every id of a shard inside the vocabulary (checked when it is loaded: found by a window mid-run, an id
+    outside it stopped the run at the same step on every resume, and ids of another tokenizer trained without a
+    word)."""
+    if vocab_size is None or not len(ids):
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{path} holds token id {high if high >= vocab_size else low}, outside the tokenizer's "
+                         f"vocabulary [0, {vocab_size}): data built with another tokenizer, or damaged; build it "
+                         "again with `clover data build`")
 
 
 class TokenData:
@@ -317,14 +336,15 @@ class TokenData:
     WHOLE_TRIES = 8   # whole packing: draws that may fail to fit the rest of a row before it is closed
 
     def __init__(self, directory: str | Path, split: str, mix: dict[str, float], eos_id: int,
-                 pack: bool = False, whole: bool = False) -> None:
+                 pack: bool = False, whole: bool = False, vocab_size: int | None = None) -> None:
         """`pack`: a chat row holds consecutive conversations (each after an end-of-sequence token) until
         it is full, instead of one conversation and padding; the last one is cut at the row's end.
         `whole` (with `pack`): only whole conversations, as TRL's and axolotl's packing keep them: one that
         does not fit the rest of the row is drawn again (up to WHOLE_TRIES times), then the row is closed and
         padded. Only a conversation longer than a whole row is cut. Cut conversations lose their last
         turns, the ones an agent's long context leads up to (split packing at 1,024 tokens kept 65% of the
-        conversations it drew whole, on clover-tiny's data)."""
+        conversations it drew whole, on clover-tiny's data). `vocab_size`: every id of the shards is checked to be
+        below it as they are loaded."""
         if whole and not pack:
             raise ValueError("whole packing needs pack")
         self.mix = {k: w for k, w in mix.items() if w > 0}
@@ -344,6 +364,7 @@ class TokenData:
             self.paths[kind] = path
             if kind == "chat":
                 self.chat = _chat_shard(path)
+                _check_ids(path, self.chat[0], vocab_size)
             else:
                 size = path.stat().st_size
                 if size == 0:
@@ -353,6 +374,7 @@ class TokenData:
                     raise ValueError(f"{path} is not a token shard of `clover data build` (uint16 token ids): "
                                      f"{size} bytes")
                 self.streams[kind] = np.memmap(path, dtype=np.uint16, mode="r")
+                _check_ids(path, self.streams[kind], vocab_size)
 
     def batch(self, seed: int, step: int, size: int, seq_len: int) -> Batch:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)

@@ -31,16 +31,25 @@ from clover.training.data import read_raw
 
 def _chat_prompts(data: Path, tok: Tokenizer, count: int, rng: random.Random, max_prompt: int) -> list[list[int]]:
     rows = list(read_raw(data, "train", "chat"))
+    for n, row in enumerate(rows, 1):   # (a record of another shape was a KeyError or TypeError traceback)
+        msgs = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 for m in msgs) or not isinstance(row.get("tools", []), (list, type(None))):
+            raise ValueError(f"{data / 'raw' / 'train' / 'chat.jsonl'} record {n}: a chat record holds \"messages\" (a "
+                             "list of objects with a \"role\") and may hold \"tools\" (a list)")
     out = []
     for row in rng.sample(rows, min(count * 2, len(rows))):
         msgs = row["messages"]
-        last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        if not users:
+            continue
+        last_user = users[-1]
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > last_user]
         if not turns:
             continue
         i = rng.choice(turns)
         thinking = "reasoning_content" in msgs[i]
-        ids = tok.encode(tok.apply_chat_template(msgs[:i], tools=row["tools"] or None, enable_thinking=thinking))
+        ids = tok.encode(tok.apply_chat_template(msgs[:i], tools=row.get("tools") or None, enable_thinking=thinking))
         if len(ids) <= max_prompt:
             out.append(ids)
         if len(out) == count:
@@ -62,6 +71,9 @@ def build_distill_data(model_dir: str | Path, data: str | Path, out: str | Path,
     t0 = time.perf_counter()
     params = SamplingParams(max_new_tokens=new_tokens, algorithm="ar")
     prompts = _chat_prompts(data, tok, chat, rng, limit)
+    if not prompts:   # (the data written would hold no conversation, which `train` then refuses)
+        raise ValueError(f"no chat prompts in {data / 'raw' / 'train'}: distillation needs records with an assistant "
+                         f"turn after a user message, whose prompt fits {limit} tokens")
     stream = np.fromfile(data / "tokens" / "train_code.bin", dtype=np.uint16).astype(np.int64)
     if len(stream) <= code_prompt:
         raise ValueError(f"{data / 'tokens' / 'train_code.bin'} holds {len(stream)} tokens: too few for code prompts "

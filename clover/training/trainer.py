@@ -177,6 +177,31 @@ def _same_path(saved: str, now: str, saved_cwd: str | None) -> bool:
     return Path(now).resolve() in {(base / saved).resolve() for base in bases}   # (an absolute `saved` ignores them)
 
 
+RUN_FILES = ("train_config.json", "log.jsonl", "checkpoint", "model", "DONE")   # what a run (and make_model.sh) writes
+
+
+def _check_fresh_out(out: Path, data: Path) -> None:
+    """A fresh run writes its files into --out: refuse one inside the data directory, or one that holds files a
+    run does not write (a user's train_config.json was overwritten, their other files kept beside a run's)."""
+    out_r, data_r = out.resolve(), data.resolve()
+    if out_r == data_r or data_r in out_r.parents:
+        raise ValueError(f"--out {out} is inside --data {data}: write the run elsewhere")
+    if not out.is_dir():
+        return
+    others = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES and not p.name.startswith("."))
+    if others:
+        raise ValueError(f"{out} holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, which a training "
+                         "run does not write: choose an empty or new --out")
+    try:   # a train_config.json of ours: a run that stopped before its log (else it is someone's own file)
+        ours = isinstance(json.loads((out / "train_config.json").read_text()).get("data"), str)
+    except FileNotFoundError:
+        ours = True
+    except (OSError, ValueError, AttributeError, RecursionError):
+        ours = False
+    if not ours:
+        raise ValueError(f"{out}/train_config.json is not a training run's settings: choose an empty or new --out")
+
+
 def _build_model(cfg: TrainConfig, tokenizer: Tokenizer, device: torch.device) -> CloverForCausalLM:
     if cfg.init.startswith("preset:"):
         config = CloverConfig.preset(cfg.init.split(":", 1)[1], mask_token_id=tokenizer.mask_token_id,
@@ -395,6 +420,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
                                  f"remove {out} to start it again, or choose another --out")
             raise ValueError(f"{out} already holds a run ({', '.join(held)}); pass --resume to continue it or choose "
                              "another --out")
+        _check_fresh_out(out, Path(cfg.data))
         model = _build_model(cfg, tokenizer, d.device)
     if cfg.seq_len > model.config.max_position_embeddings:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {model.config.max_position_embeddings} "
@@ -410,8 +436,10 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         module = nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
     autocast = torch.autocast(d.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else None
     eos = tokenizer.special_ids[EOS_TOKEN]
-    data = TokenData(cfg.data, "train", cfg.mix_weights(), eos, cfg.pack, cfg.pack_whole)
-    val = TokenData(cfg.data, "val", cfg.mix_weights(), eos, cfg.pack, cfg.pack_whole)
+    data = TokenData(cfg.data, "train", cfg.mix_weights(), eos, cfg.pack, cfg.pack_whole, tokenizer.vocab_size)
+    val = TokenData(cfg.data, "val", cfg.mix_weights(), eos, cfg.pack, cfg.pack_whole, tokenizer.vocab_size)
+    if cfg.sft and data.chat is not None and not data.chat[1].any():   # (every step's loss would be empty)
+        raise ValueError(f"{data.paths['chat']} marks no assistant tokens: --sft would score nothing")
     block = model.config.block_size
     twins = torch.tensor(tokenizer.space_twins() if cfg.twin_coupling else [], dtype=torch.long,
                          device=d.device).view(-1, 2)
