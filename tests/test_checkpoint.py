@@ -394,6 +394,9 @@ def test_commands_never_replace_what_is_not_theirs(tmp_path, capsys):
     assert "would replace --data" in capsys.readouterr().err
 
 
+NEW_MANIFEST = '{"sources": {}, "split_rule": "new"}'   # (what `data build` refuses to replace is not one)
+
+
 def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatch, capsys):
     """`data build` writes a temp dir beside --out and swaps it in whole (found by a hostile pass: a build killed
     part way left a directory that the next build refused, and over an earlier build it had already replaced
@@ -402,7 +405,8 @@ def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatc
 
     data = tmp_path / "d"
     (data / "tokens").mkdir(parents=True)
-    (data / "manifest.json").write_text("earlier")
+    earlier = '{"sources": {}, "split_rule": "earlier"}'   # (an earlier build's manifest: `data build` replaces it)
+    (data / "manifest.json").write_text(earlier)
     (data / "tokens" / "train_code.bin").write_bytes(b"earlier tokens")
 
     def killed(out, *args, **kwargs):
@@ -414,7 +418,7 @@ def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatc
     assert "killed" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temp dir left
     assert sorted(p.name for p in data.iterdir()) == ["manifest.json", "tokens"]
-    assert (data / "manifest.json").read_text() == "earlier"
+    assert (data / "manifest.json").read_text() == earlier
     assert (data / "tokens" / "train_code.bin").read_bytes() == b"earlier tokens"
 
     leftover = tmp_path / ".d.tmp-killed9"  # what a SIGKILL leaves: no cleanup ran
@@ -422,7 +426,7 @@ def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatc
 
     def corpus(out, *args, **kwargs):
         (Path(out) / "raw").mkdir()
-        (Path(out) / "manifest.json").write_text("new")
+        (Path(out) / "manifest.json").write_text(NEW_MANIFEST)
         return {"sources": {}}
 
     monkeypatch.setattr(train_cli, "build_corpus", corpus)
@@ -430,7 +434,7 @@ def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatc
     assert cli_main(["data", "build", "--out", str(data), "--tokenizer", str(SHIPPED)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
     assert sorted(p.name for p in data.iterdir()) == ["manifest.json", "raw", "tokenizer"]
-    assert (data / "manifest.json").read_text() == "new"
+    assert (data / "manifest.json").read_text() == NEW_MANIFEST
     umask = os.umask(0)
     os.umask(umask)
     assert (data / "raw").stat().st_mode & 0o777 == 0o777 & ~umask   # a directory keeps its x bits
@@ -450,14 +454,14 @@ def test_a_killed_data_build_leaves_the_directory_as_it_was(tmp_path, monkeypatc
     real.parent.mkdir()
     (tmp_path / "d").rename(real)
     (tmp_path / "d").symlink_to(real)
-    (real / "manifest.json").write_text("older")
+    (real / "manifest.json").write_text('{"sources": {}, "split_rule": "older"}')
     assert cli_main(["data", "build", "--out", str(tmp_path / "d"), "--tokenizer", str(SHIPPED)]) == 0
-    assert (tmp_path / "d").is_symlink() and (real / "manifest.json").read_text() == "new"
+    assert (tmp_path / "d").is_symlink() and (real / "manifest.json").read_text() == NEW_MANIFEST
     assert sorted(p.name for p in real.parent.iterdir()) == ["data"]
     monkeypatch.chdir(real)
-    (real / "manifest.json").write_text("older")
+    (real / "manifest.json").write_text('{"sources": {}, "split_rule": "older"}')
     assert cli_main(["data", "build", "--out", ".", "--tokenizer", str(SHIPPED)]) == 0
-    assert (real / "manifest.json").read_text() == "new" and sorted(p.name for p in real.parent.iterdir()) == ["data"]
+    assert (real / "manifest.json").read_text() == NEW_MANIFEST and sorted(p.name for p in real.parent.iterdir()) == ["data"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names open files through /proc")

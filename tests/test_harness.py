@@ -374,6 +374,13 @@ def test_the_success_standard_error_takes_the_task_as_its_unit():
     assert harness._quality(mixed)["success_stderr"] == pytest.approx(math.sqrt(((1 - 2 / 3) ** 2 + (1 / 3 - 2 / 3) ** 2) / 1) / math.sqrt(2))
 
 
+def _probe_task(env: type) -> object:
+    """A one-question task offering one tool `t` (no parameters), in environment `env`."""
+    tool = {"type": "function", "function": {"name": "t", "description": "", "parameters": {"type": "object",
+                                                                                          "properties": {}}}}
+    return agent_suites.HarnessTask("probe", "probe", [tool], [{"role": "user", "content": "q"}], [], env)
+
+
 def _scripted_reply_app(state):
     """An endpoint streaming the reply `state["mode"]` asks for (the bodies it got go to state["bodies"])."""
     import asyncio
@@ -426,9 +433,7 @@ def test_time_limits_hold_for_the_whole_task_and_request_and_tool_call_ids_match
         def close(self):
             pass
 
-    tool = {"type": "function", "function": {"name": "t", "description": "", "parameters": {"type": "object",
-                                                                                          "properties": {}}}}
-    task = agent_suites.HarnessTask("probe", "probe", [tool], [{"role": "user", "content": "q"}], [], lambda: Env())
+    task = _probe_task(Env)
     state = {"mode": "slow", "bodies": []}
     with serve_in_thread(_scripted_reply_app(state)) as url, httpx.Client() as client:
         ep = harness.Endpoint(url + "/v1", "m")
@@ -461,9 +466,7 @@ def test_the_task_time_is_checked_before_each_tool_call_of_a_reply():
         def close(self):
             pass
 
-    tool = {"type": "function", "function": {"name": "t", "description": "", "parameters": {"type": "object",
-                                                                                          "properties": {}}}}
-    task = agent_suites.HarnessTask("probe", "probe", [tool], [{"role": "user", "content": "q"}], [], lambda: Env())
+    task = _probe_task(Env)
     state = {"mode": "many", "bodies": []}
     with serve_in_thread(_scripted_reply_app(state)) as url, httpx.Client() as client:
         ep = harness.Endpoint(url + "/v1", "m")
@@ -485,9 +488,7 @@ def test_a_tool_result_with_a_name_that_is_not_utf8_reaches_the_model_escaped():
         def close(self):
             pass
 
-    tool = {"type": "function", "function": {"name": "t", "description": "", "parameters": {"type": "object",
-                                                                                          "properties": {}}}}
-    task = agent_suites.HarnessTask("probe", "probe", [tool], [{"role": "user", "content": "q"}], [], lambda: Env())
+    task = _probe_task(Env)
     state = {"mode": "noid", "bodies": []}
     with serve_in_thread(_scripted_reply_app(state)) as url, httpx.Client() as client:
         ep = harness.Endpoint(url + "/v1", "m")

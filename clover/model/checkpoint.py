@@ -288,17 +288,18 @@ def _check_headers(config: CloverConfig, found: dict[str, tuple[tuple[int, ...],
     if odd:
         problems.append(f"tensors in a floating dtype Clover does not run (float64, float32, bfloat16 and float16 "
                         f"only): {_some(odd)}")
-    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    misshaped = sorted(f"{k} (checkpoint {found[k][0]}, config expects {expected[k]})"
-                       for k in set(expected) & set(found) if found[k][0] != expected[k])
-    if missing:
-        problems.append(f"missing tensors: {_some(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {_some(unexpected)}")
-    if misshaped:
-        problems.append(f"mis-shaped tensors: {_some(misshaped)}")
+    problems += _mismatches(expected, {k: shape for k, (shape, _) in found.items()})
     if problems:
         raise CheckpointError(f"{source} does not match its config; " + "; ".join(problems))
+
+
+def _mismatches(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]]) -> list[str]:
+    """The missing, unexpected and mis-shaped tensors of a checkpoint (name -> shape) against a model's."""
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    misshaped = sorted(f"{k} (checkpoint {found[k]}, config expects {expected[k]})"
+                       for k in set(expected) & set(found) if found[k] != expected[k])
+    return [f"{what} tensors: {_some(names)}" for what, names in
+            (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if names]
 
 
 def _check_and_assign(model: CloverForCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -310,23 +311,11 @@ def _check_and_assign(model: CloverForCausalLM, tensors: dict[str, torch.Tensor]
             raise CheckpointError(f"{source}: config.json ties the output head to the embeddings "
                                   "(tie_word_embeddings) but the weights hold an lm_head.weight of its own, which "
                                   "would be dropped")
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    misshaped = sorted(
-        f"{k} (checkpoint {tuple(tensors[k].shape)}, config expects {tuple(expected[k].shape)})"
-        for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape
-    )
     mistyped = sorted(f"{k} ({str(tensors[k].dtype).removeprefix('torch.')})" for k in set(expected) & set(tensors)
                       if expected[k].is_floating_point() and not tensors[k].is_floating_point())
-    problems = []
-    if mistyped:
-        problems.append(f"tensors that are not floating point: {_some(mistyped)}")
-    if missing:
-        problems.append(f"missing tensors: {_some(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {_some(unexpected)}")
-    if misshaped:
-        problems.append(f"mis-shaped tensors: {_some(misshaped)}")
+    problems = [f"tensors that are not floating point: {_some(mistyped)}"] if mistyped else []
+    problems += _mismatches({k: tuple(v.shape) for k, v in expected.items()},
+                            {k: tuple(v.shape) for k, v in tensors.items()})
     if problems:
         raise CheckpointError(f"{source} does not match its config; " + "; ".join(problems))
     model.load_state_dict(tensors, strict=not model.config.tie_word_embeddings, assign=True)
