@@ -570,3 +570,13 @@ def test_a_trace_that_cannot_be_written_whole_leaves_the_earlier_one(text_model,
                              timeout=120, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
     assert limited.returncode == 1 and "File too large" in limited.stderr and "Traceback" not in limited.stderr
     assert trace.read_bytes() == earlier and [p.name for p in tmp_path.iterdir()] == ["t.html"]
+
+
+def test_an_error_names_the_command_as_typed(tmp_path, capsys):
+    """Found by a hostile pass on training (session 54): `clover data build` and `clover data distill` errors began
+    "clover data: error:"."""
+    from clover.cli.commands import main
+
+    assert main(["data", "distill", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "o")]) == 1
+    assert capsys.readouterr().err.startswith("clover data distill: error: ")

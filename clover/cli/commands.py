@@ -263,23 +263,25 @@ def _describe(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    # the command as typed (`clover data build: error: ...`, not `clover data: ...`)
+    name = " ".join(filter(None, (args.command, getattr(args, f"{args.command}_command", None))))
     try:
         return func(args)
     except (CheckpointError, ConfigError, TokenizerError, ChatFormatError, ValueError, OSError,
             json.JSONDecodeError) as exc:
-        print(f"clover {args.command}: error: {_describe(exc)}", file=sys.stderr)
+        print(f"clover {name}: error: {_describe(exc)}", file=sys.stderr)
         return 1
     except MemoryError as exc:
-        print(f"clover {args.command}: error: out of memory{': ' + str(exc) if str(exc) else ''} (smaller batches, "
+        print(f"clover {name}: error: out of memory{': ' + str(exc) if str(exc) else ''} (smaller batches, "
               "sequences or models need less)", file=sys.stderr)
         return 1
     except RuntimeError as exc:   # torch's allocators raise these (torch.OutOfMemoryError is one on CUDA)
         if not any(m in str(exc) for m in ("can't allocate memory", "out of memory", "unable to mmap")):
             raise
-        print(f"clover {args.command}: error: out of memory: {str(exc).splitlines()[0][:300]} (smaller batches, "
+        print(f"clover {name}: error: out of memory: {str(exc).splitlines()[0][:300]} (smaller batches, "
               "sequences or models need less)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"clover {args.command}: interrupted", file=sys.stderr)
+        print(f"clover {name}: interrupted", file=sys.stderr)
         return 130
 
