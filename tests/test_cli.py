@@ -580,3 +580,14 @@ def test_an_error_names_the_command_as_typed(tmp_path, capsys):
     assert main(["data", "distill", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "none"),
                  "--out", str(tmp_path / "o")]) == 1
     assert capsys.readouterr().err.startswith("clover data distill: error: ")
+
+
+@pytest.mark.parametrize("flag,value", [("--steps", "0"), ("--seq-len", "-3"), ("--save-every", "0"), ("--warmup", "-1")])
+def test_train_counts_out_of_range_are_usage_errors_naming_the_flag(flag, value, capsys):
+    """Found by a hostile pass on training (session 54): `--steps 0` exited 1 with "steps must be positive" (the
+    field, not the flag), where the README promises a usage error naming the flag (exit 2)."""
+    from clover.cli.commands import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--data", "d", "--out", "o", flag, value])
+    assert info.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err

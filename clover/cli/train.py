@@ -230,6 +230,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                                                   "and `Oth`, one token apart by a leading space) to both rows of "
                                                   "the embedding and the LM head, so what the model learns to copy "
                                                   "in one spelling it learns in the other (default 0: off)")
+        elif f.name in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches",
+                        "save_every"):   # (a usage error naming the flag, as the others' ranges are)
+            p.add_argument(flag, type=positive_int, help=f"(default {default})")
+        elif f.name == "warmup":
+            p.add_argument(flag, type=nonnegative_int, help=f"(default {default})")
         else:
             p.add_argument(flag, type=type(default), help=f"(default {default})")
     p.set_defaults(func=cmd_train)
