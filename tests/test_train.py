@@ -1104,3 +1104,14 @@ def test_distillation_refuses_chat_records_of_another_shape_by_line(data_dir, tm
             continue
         with pytest.raises(ValueError, match=message):
             _chat_prompts(d, tok, 5, _random.Random(0), 10_000)
+
+
+def test_resume_without_train_config_json_continues_with_the_checkpoints_settings(data_dir, tmp_path, capsys):
+    """Found by a hostile pass on training (session 54): with train_config.json gone, `--resume` took the command
+    line's defaults and refused them as 8 "changed" settings the user never gave; the checkpoint holds the run's."""
+    run = tmp_path / "run"
+    train(_cfg(data_dir, run, steps=3, save_every=3, eval_every=3))
+    (run / "train_config.json").unlink()
+    assert cli_main(["train", "--data", str(data_dir), "--out", str(run), "--resume", "--steps", "4"]) == 0, \
+        capsys.readouterr().err
+    assert json.loads((run / "train_config.json").read_text())["batch_size"] == 4

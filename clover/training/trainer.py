@@ -337,12 +337,17 @@ def saved_settings(out: str | Path) -> dict:
     with where the command line does not say. Keys this version does not know are left out (`train` then
     compares the checkpoint's own); a value of the wrong type is an error naming it."""
     path = Path(out) / "train_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        saved = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a settings file ({exc})") from exc
+    state = Path(out) / "checkpoint" / "trainer_state.pt"
+    if not path.is_file():   # (removed, or lost: the checkpoint's own settings, else a list of settings the user
+        if not state.is_file():   # never gave came back as "changed")
+            return {}
+        saved = _read_state(state)["config"]
+        path = state
+    else:
+        try:
+            saved = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a settings file ({exc})") from exc
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: not a settings file (a JSON object)")
     defaults = TrainConfig(data="", out="")
