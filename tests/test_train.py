@@ -1015,6 +1015,11 @@ def test_shards_are_checked_against_the_tokenizer_as_they_load(data_dir, tmp_pat
     for i, (c, kw, message) in enumerate(cases):
         with pytest.raises(ValueError, match=message):
             train(_cfg(c, tmp_path / f"c{i}", steps=1, mix="chat=1", **kw))
+    d = _copy_data(data_dir, tmp_path, "fifo")   # (a pipe where a shard belongs was reported missing)
+    (d / "tokens" / "train_code.bin").unlink()
+    os.mkfifo(d / "tokens" / "train_code.bin")
+    with pytest.raises(ValueError, match="train_code.bin is not a regular file"):
+        train(_cfg(d, tmp_path / "r3", steps=1))
 
 
 def test_a_fresh_run_writes_only_into_a_new_empty_or_earlier_run_directory(data_dir, tmp_path):

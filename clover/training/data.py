@@ -359,6 +359,8 @@ class TokenData:
         self.chat = None
         for kind in self.mix:
             path = root / (f"{split}_chat.npz" if kind == "chat" else f"{split}_{kind}.bin")
+            if path.exists() and not path.is_file():   # (a pipe or a directory was reported missing)
+                raise ValueError(f"{path} is not a regular file: a token shard of `clover data build` is")
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing: run `clover data build` first")
             self.paths[kind] = path
