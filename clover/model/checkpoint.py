@@ -162,8 +162,8 @@ def _kept_generation_config(directory: Path, config: CloverConfig) -> str | None
     if not isinstance(kept, dict):
         return text
     try:
-        before = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError, RecursionError):
+        before = read_json(directory / "config.json")
+    except (OSError, ValueError):
         before = None
     if not isinstance(before, dict):
         return text

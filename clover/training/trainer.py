@@ -28,7 +28,7 @@ from torch import nn
 
 from clover.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from clover.model.config import CloverConfig
-from clover.model.files import json_lines, recover_directory, write_text_atomic
+from clover.model.files import json_lines, read_json, recover_directory, write_text_atomic
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer
 from clover.training.data import Batch, TokenData, check_kinds, require_data
@@ -193,10 +193,11 @@ def _check_fresh_out(out: Path, data: Path) -> None:
         raise ValueError(f"{out} holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, which a training "
                          "run does not write: choose an empty or new --out")
     try:   # a train_config.json of ours: a run that stopped before its log (else it is someone's own file)
-        ours = isinstance(json.loads((out / "train_config.json").read_text()).get("data"), str)
+        saved = read_json(out / "train_config.json")
+        ours = isinstance(saved, dict) and isinstance(saved.get("data"), str)
     except FileNotFoundError:
         ours = True
-    except (OSError, ValueError, AttributeError, RecursionError):
+    except (OSError, ValueError):
         ours = False
     if not ours:
         raise ValueError(f"{out}/train_config.json is not a training run's settings: choose an empty or new --out")
@@ -345,9 +346,9 @@ def saved_settings(out: str | Path) -> dict:
         path = state
     else:
         try:
-            saved = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path}: not a settings file ({exc})") from exc
+            saved = read_json(path)
+        except ValueError as exc:   # (not UTF-8, not JSON, nested too deeply: named by read_json)
+            raise ValueError(f"not a settings file: {exc}") from None
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: not a settings file (a JSON object)")
     defaults = TrainConfig(data="", out="")
