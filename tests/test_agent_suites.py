@@ -83,6 +83,34 @@ def test_hidden_tests_cannot_be_faked_by_an_early_exit_or_a_shadowing_module():
         env.close()
 
 
+@pytest.mark.parametrize("fake", [
+    # an object equal to everything, and a str subclass that is: unittest's assertEqual accepted both
+    "class _All:\n    def __eq__(self, other):\n        return True\n\n\ndef {fn}(*args):\n    return _All()\n",
+    "class _S(str):\n    def __eq__(self, other):\n        return True\n\n\ndef {fn}(*args):\n    return _S('x')\n",
+    # patching unittest so that every assertion passes
+    "import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\n\n\ndef {fn}(*args):\n    return None\n",
+    # writing the judge's values file itself (its path is the program's argument) and exiting
+    "import os, sys\nopen(sys.argv[1], 'w').write('\\n'.join(['0'] * 5))\nos._exit(0)\n",
+])
+def test_hidden_tests_judge_values_out_of_process_so_fakes_fail(fake):
+    """Found by a hostile pass (session 54): the hidden tests ran in the interpreter of the code under test, so
+    a patched unittest, an early exit after it or a return value equal to everything passed them. The values
+    now come back as plain data and are compared here."""
+    ht = next(t for t in S.suite_tasks("coding", 8) if "fix_bug" in t.id)
+    env = ht.open()
+    try:
+        path = json.loads(ht.reference[1]["tool_calls"][0]["function"]["arguments"])["path"]
+        fn = env.call("read_file", {"path": path}).split("(")[0].removeprefix("def ")
+        assert env.call("write_file", {"path": path, "content": fake.replace("{fn}", fn)}) == "ok"
+        assert not env.check("done")
+        _replay(env, ht.reference[:1])
+        assert env.call("write_file", {"path": path, "content": env.repo.files[path]}) == "ok"
+        _replay(env, ht.reference)
+        assert env.check("done")       # the real fix passes
+    finally:
+        env.close()
+
+
 def test_coding_tools_are_confined_to_the_repository():
     env = S.suite_tasks("coding", 1)[0].open()
     try:

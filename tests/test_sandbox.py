@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clover.evaluation.sandbox import Limits, cgroups, isolation, run_python, runs_to_completion
+from clover.evaluation.sandbox import NOT_A_VALUE, Limits, cgroups, isolation, run_python, runs_to_completion, values_of
 
 isolated = pytest.mark.skipif(isolation() != "bubblewrap", reason="bubblewrap is not available here")
 
@@ -239,3 +239,29 @@ def test_the_package_source_is_hidden_from_a_task_directory_above_it():
     package = Path(clover.__file__).resolve().parent
     r = _run(f"import os\nprint(os.listdir({str(package / 'evaluation')!r}))", package.parent)
     assert r.returncode != 0 and "suites.py" not in r.stdout, r
+
+
+def test_values_of_returns_plain_values_and_nothing_else(tmp_path):
+    (tmp_path / "mod.py").write_text(
+        "class Eq:\n    def __eq__(self, o):\n        return True\n\n\nclass S(str):\n    pass\n\n\n"
+        "def boom():\n    raise SystemExit(0)\n")
+    exprs = ["1 + 1", "'a\\nb'", "[1, (2, 3), {'k': None}]", "{1, 2}", "b'\\x00'", "True", "-2.5",
+             "Eq()", "S('x')", "[Eq()]", "{'k': S('x')}", "boom()", "1 / 0", "float('nan')"]
+    got = values_of("from mod import Eq, S, boom", exprs, tmp_path)
+    assert got[:7] == [2, "a\nb", [1, (2, 3), {"k": None}], {1, 2}, b"\x00", True, -2.5]
+    assert type(got[2][1]) is tuple and type(got[5]) is bool
+    assert all(v is NOT_A_VALUE for v in got[7:])   # not plain, raised (SystemExit too), or no literal (nan)
+    assert values_of("import no_such_module", ["1"], tmp_path) is None       # the setup failed
+    assert values_of("import os\nos._exit(0)", ["1"], tmp_path) is None      # exited before any value
+    assert values_of("", [], tmp_path) == []
+    assert not any(p.name.startswith("clover-judge-") for p in tmp_path.iterdir())   # cleaned up
+
+
+def test_values_of_is_not_blocked_or_fooled_by_what_the_program_leaves_in_its_file(tmp_path):
+    """A pipe or a link to a device left where the values are read: no values, at once."""
+    for leave in ("os.mkfifo(_o)", "os.symlink('/dev/zero', _o)"):
+        setup = (f"import atexit, os, sys\n_o = sys.argv[1]\n"
+                 f"atexit.register(lambda: (os.remove(_o), {leave}))")
+        t0 = time.monotonic()
+        assert values_of(setup, ["1"], tmp_path) is None
+        assert time.monotonic() - t0 < 10

@@ -15,10 +15,15 @@ be created, each run gets its own: all its processes together are held to `Limit
 A completion check (`runs_to_completion`) keeps its token out of the program's file, argv and
 environment: the wrapper reads it from a pipe before the program starts. It still lives in the same
 interpreter, so a program that inspects the wrapper's frames can forge a completion (see below).
+`values_of` judges out of process instead: the sandboxed program only computes values and returns them
+as plain literals; the caller compares them with the expected ones, which never enter the sandbox, so
+nothing the program does (exiting early, patching `unittest`, returning objects whose `__eq__` is always
+true) passes without the right values.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import logging
 import os
@@ -32,8 +37,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 try:  # POSIX only; elsewhere only the wall-clock timeout applies
     import resource
@@ -355,7 +362,8 @@ def run_command(command: str, cwd: str | Path, limits: Limits = Limits()) -> Com
 # program that exits early (even with status 0) never prints it, and the token is in no file, argument or
 # environment variable the program could read. It is in the wrapper's memory, though: a program that
 # walks the interpreter's frames (sys._getframe) can find it. This stops accidental early exits and naive
-# forgeries; against a model that games the check deliberately, judge completion out of process.
+# forgeries; against a model that games the check deliberately, judge out of process (`values_of`, which
+# the coding suite's hidden tests use; HumanEval keeps its standard in-process `check`).
 _COMPLETION_WRAPPER = (
     "import sys, runpy\n"
     "_t = sys.stdin.readline().strip(); sys.stdin.close()\n"
@@ -378,6 +386,79 @@ def runs_to_completion(program: str, cwd: str | Path | None = None, limits: Limi
     finally:
         remove_tree(Path(d))
     return done.returncode == 0 and token in done.stdout.splitlines()
+
+
+# Evaluates each expression after the setup, in the task directory (appended to sys.path after the standard
+# library, as the tests see it), and writes one line per expression to the file named by argv[1]: the repr of a
+# value made only of plain types (checked by exact type, so no subclass with its own __eq__ or __repr__ passes
+# through; such a repr holds no newline), else a marker. The caller trusts only what ast.literal_eval makes of
+# a line, whatever the program did to this one.
+_VALUES_PROGRAM = """\
+import os, sys
+sys.path.append(os.getcwd())
+_out, _exprs, _setup = sys.argv[1], %r, %r
+_SCALARS = (int, float, complex, str, bytes, bool, type(None))
+
+def _plain(v, depth=0):
+    if depth > 50:
+        return False
+    if type(v) in _SCALARS:
+        return True
+    if type(v) in (list, tuple, set):
+        return all(_plain(x, depth + 1) for x in v)
+    if type(v) is dict:
+        return all(_plain(k, depth + 1) and _plain(x, depth + 1) for k, x in v.items())
+    return False
+
+_ns = {"__name__": "__judge__"}
+exec(_setup, _ns)
+_lines = []
+for _e in _exprs:
+    try:
+        _v = eval(_e, _ns)
+        _lines.append(repr(_v) if _plain(_v) else "<not a plain value>")
+    except BaseException as _exc:
+        _lines.append("<raised>")
+with open(_out, "w", encoding="utf-8", errors="backslashreplace") as _f:
+    _f.write("\\n".join(_lines))
+"""
+
+NOT_A_VALUE = object()   # what `values_of` gives for an expression that raised or whose value was not plain
+
+
+def values_of(setup: str, expressions: Sequence[str], cwd: str | Path, limits: Limits = Limits()) -> list[Any] | None:
+    """The value of each expression, computed by a sandboxed program in `cwd` after `setup` (imports of the
+    code under test) and returned as plain data: lists, tuples, sets, dicts, numbers, strings, bytes, None.
+    An expression that raised or whose value is of another type gives `NOT_A_VALUE`. None when the program did
+    not leave one value per expression (it failed in `setup`, exited early, timed out). Compare the result with
+    the expected values in the caller's process: they never enter the sandbox."""
+    if not expressions:
+        return []
+    d = tempfile.mkdtemp(prefix="clover-judge-", dir=cwd)
+    try:
+        path, out = Path(d) / "judge.py", Path(d) / "values.txt"
+        path.write_text(_VALUES_PROGRAM % (list(expressions), setup), errors="replace")
+        run_python(["-I", str(path), str(out)], cwd, limits)
+        try:   # (not following a link, not blocking on a pipe the program left in the file's place)
+            fd = os.open(out, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            raw = f.read(limits.file_mb << 20)
+    finally:
+        remove_tree(Path(d))
+    lines = raw.decode("utf-8", "replace").split("\n")
+    if len(lines) != len(expressions):
+        return None
+    values: list[Any] = []
+    for line in lines:
+        try:
+            values.append(ast.literal_eval(line) if not line.startswith("<") else NOT_A_VALUE)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            values.append(NOT_A_VALUE)
+    return values
 
 
 def remove_tree(path: Path) -> None:

