@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -435,6 +436,24 @@ def test_resume_continues_with_the_runs_settings_and_compile_may_change(data_dir
     (run / "train_config.json").write_text(json.dumps({**settings, "lr": None}))
     assert cli_main([*base, "--steps", "7"]) == 1
     assert "train_config.json: lr must be int or float, got None" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_changes_nothing_and_says_so(data_dir, tmp_path, capsys):
+    """Found in session 54: `--resume` of a run that had reached its --steps saved its model again and printed {}.
+    Now it leaves every file as it is, says the run is finished and prints the run's last training record."""
+    run = tmp_path / "run"
+    train(_cfg(data_dir, run, steps=2, save_every=2))
+    files = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert cli_main(["train", "--data", str(data_dir), "--out", str(run), "--resume"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == _records(run)[-1] and json.loads(out)["step"] == 2
+    assert "finished at step 2" in err and "larger --steps" in err
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()} == files
+    # killed after its last checkpoint, before its model was written: the resume writes it
+    shutil.rmtree(run / "model")
+    assert cli_main(["train", "--data", str(data_dir), "--out", str(run), "--resume"]) == 0
+    assert (run / "model" / "model.safetensors").is_file()
 
 
 def test_compile_is_used_with_bfloat16(data_dir, tmp_path, monkeypatch, capsys):

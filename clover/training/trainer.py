@@ -408,6 +408,11 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
                              + "); only --steps and --compile may change")
         if state["step"] > cfg.steps:
             raise ValueError(f"the run in {out} is at step {state['step']}, past --steps {cfg.steps}")
+        if state["step"] == cfg.steps and (out / "model").is_dir():   # finished: nothing to train or rewrite
+            if d.main:
+                print(f"the run in {out} finished at step {cfg.steps} (its model: {out / 'model'}); nothing to "
+                      "do: pass a larger --steps to train on", file=sys.stderr)
+            return _last_record(out / "log.jsonl", "train")
         model = load_checkpoint(ckpt, dtype="float32", device=d.device)
         # the data may have been rebuilt since (with another tokenizer): its ids would read as other tokens, and the
         # finished model would carry that tokenizer
@@ -541,6 +546,16 @@ def _read_state(path: Path) -> dict:
 def _append_log(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _last_record(path: Path, kind: str) -> dict:
+    """The last record of `kind` in a run's log ({} where there is none)."""
+    last: dict = {}
+    if path.exists():
+        for _, record in json_lines(path):
+            if isinstance(record, dict) and record.get("kind") == kind:
+                last = record
+    return last
 
 
 def _truncate_log(path: Path, step: int) -> None:
