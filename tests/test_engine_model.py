@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import perturbed_model
 
-from clover.engine.engine import Engine
+from clover.engine.engine import WARM_UP_MAX_BATCH, Engine
 from clover.engine.sampling import SamplingParams
 from clover.model.config import CloverConfig
 
@@ -199,6 +199,13 @@ def test_warm_up_runs_every_policy_and_leaves_the_engine_idle(sharp_model):
     assert {name for name, _ in calls} == {"ar", "low_confidence", "verify"}
     assert {n for _, n in calls} == {1, 2, 5}   # one sequence, two, a full batch (the passes' shape classes)
     assert not engine.has_unfinished() and not engine.running and engine.cache is None
+    # a batch limit past the cap is not decoded whole (`serve --compile --max-batch-size 100000000` never started)
+    big = Engine(sharp_model, max_batch_size=10**8)
+    sizes = set()
+    for policy in big.policies.values():
+        policy.step = lambda e, seqs, events, step=policy.step: (sizes.add(len(seqs)), step(e, seqs, events))[1]
+    big.warm_up()
+    assert sizes == {1, 2, WARM_UP_MAX_BATCH}
     after = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=8, algorithm="ar"))[0]
     assert after.token_ids == Engine(sharp_model).generate([PROMPTS[1]], SamplingParams(max_new_tokens=8,
                                                                                         algorithm="ar"))[0].token_ids

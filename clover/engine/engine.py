@@ -43,6 +43,7 @@ from clover.model.modeling import CheckTrail, CloverForCausalLM
 
 __all__ = ["Engine", "Event", "GenerationResult", "GenerationStats", "StepRecord"]
 log = logging.getLogger(__name__)
+WARM_UP_MAX_BATCH = 32   # the largest batch `warm_up` decodes (the default --max-batch-size)
 
 
 class Engine:
@@ -250,15 +251,19 @@ class Engine:
         return self.policies[s.params.algorithm].reusable(s) // size * size
 
     def warm_up(self) -> None:
-        """Decode a short prompt with each policy, for one sequence, for two and for a full batch, and drop
-        the results: compiled passes (`model.compile_decode`) are built for the shapes decoding uses before
-        the first request pays for it (a pass of a few tokens and a larger one can be different graphs: the
-        experts' dispatch depends on the token count, `clover/model/moe.py`). Leaves the engine idle."""
+        """Decode a short prompt with each policy, for one sequence, for two and for a full batch (of at most
+        WARM_UP_MAX_BATCH), and drop the results: compiled passes (`model.compile_decode`) are built for the
+        shapes decoding uses before the first request pays for it (a pass of a few tokens and a larger one can be
+        different graphs: the experts' dispatch depends on the token count, `clover/model/moe.py`; by the third
+        batch size dynamo has made the batch dimension dynamic). A larger --max-batch-size is not decoded whole
+        here (`serve --compile --max-batch-size 100000000` would never start): a batch past the cap that needs a
+        graph of its own builds it when it first runs, as vLLM captures graphs only up to a size and runs larger
+        batches without. Leaves the engine idle."""
         b = self.config.block_size
         prompt = [i % self.config.mask_token_id for i in range(b + b // 2)]   # a prompt tail inside a block
         with torch.inference_mode():
             for algorithm in self.policies:
-                for n in sorted({1, 2, self.max_batch_size}):
+                for n in sorted({1, 2, min(self.max_batch_size, WARM_UP_MAX_BATCH)}):
                     self.generate([prompt] * n, SamplingParams(max_new_tokens=2 * b, algorithm=algorithm,
                                                                ignore_eos=True))
 
