@@ -265,3 +265,35 @@ def test_values_of_is_not_blocked_or_fooled_by_what_the_program_leaves_in_its_fi
         t0 = time.monotonic()
         assert values_of(setup, ["1"], tmp_path) is None
         assert time.monotonic() - t0 < 10
+
+
+def test_memory_backed_file_systems_are_sized_and_the_rest_read_only(tmp_path):
+    """Found in session 55: /tmp, /dev/shm, /dev and the cover over this package were unsized tmpfs the program
+    could write, in memory, past the memory limit (1.5 GB in /tmp under a 1 GiB limit)."""
+    if isolation() != "bubblewrap":
+        pytest.skip("bubblewrap is not available here")
+    from clover.evaluation.sandbox import PACKAGE
+
+    code = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        f = open(p, 'wb')\n"
+            "        for i in range(40):\n            f.write(bytes(1 << 20)); f.flush()\n        print(p, 'all')\n"
+            "    except OSError as e:\n        print(p, i if p.startswith(('/tmp', '/dev/shm')) else '', e.errno)\n")
+    r = run_python(["-c", code, "/tmp/x", "/dev/shm/x", "/dev/x", f"{PACKAGE}/x"], tmp_path,
+                   Limits(timeout_s=30, tmp_mb=16, file_mb=64))
+    assert r.stdout.splitlines() == ["/tmp/x 16 28", "/dev/shm/x 16 28", "/dev/x  30", f"{PACKAGE}/x  30"], r.text()
+
+
+def test_a_run_that_fills_the_disk_is_stopped_and_a_full_directory_refuses_the_next(tmp_path):
+    limits = Limits(timeout_s=30, disk_mb=16, file_mb=64)
+    small = run_python(["-c", "open('a', 'wb').write(bytes(1 << 20)); print('ok')"], tmp_path, limits)
+    assert small.returncode == 0 and small.stdout.strip() == "ok" and not small.stopped
+    code = "import os\nfor i in range(200):\n    open(f'f{i}', 'wb').write(os.urandom(1 << 20))\nprint('all')"
+    big = run_python(["-c", code], tmp_path, limits)
+    assert big.stopped.startswith("stopped: the run wrote more than 16 MiB") and "all" not in big.stdout
+    assert not big.timed_out and big.seconds < 20 and len(list(tmp_path.iterdir())) < 100
+    refused = run_python(["-c", "print('hi')"], tmp_path, limits)
+    assert refused.text().startswith("not run: the directory holds") and "hi" not in refused.stdout
+    for p in tmp_path.iterdir():
+        p.unlink()
+    many = Limits(timeout_s=30, disk_files=50)
+    run_python(["-c", "for i in range(60): open(f'g{i}', 'w')"], tmp_path, many)
+    assert "more than 50 files" in run_python(["-c", "print(1)"], tmp_path, many).text()

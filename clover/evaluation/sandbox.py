@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,9 @@ class Limits:
     output_chars: int = 4000
     file_mb: int = 16
     processes: int = 64        # a run's processes at once, with cgroups
+    tmp_mb: int = 64           # under bubblewrap: each memory-backed file system it may write (/tmp, /dev/shm)
+    disk_mb: int = 512         # what a run may add to the disk of its directory, and what the directory may hold
+    disk_files: int = 100_000  # the files and directories the directory may hold before a run
 
 
 @dataclass
@@ -64,10 +67,11 @@ class Completed:
     stderr: str
     seconds: float
     timed_out: bool
+    stopped: str = ""   # why the run was stopped or refused other than by its time limit (the disk limit)
 
     def text(self) -> str:
         """What a tool shows the agent: exit status, then stdout and stderr."""
-        head = "timed out" if self.timed_out else f"exit code {self.returncode}"
+        head = self.stopped or ("timed out" if self.timed_out else f"exit code {self.returncode}")
         return "\n".join(p for p in (head, self.stdout.rstrip(), self.stderr.rstrip()) if p)
 
 
@@ -182,12 +186,15 @@ def _covered() -> tuple[str, ...]:
     return tuple(args)
 
 
-def _bwrap_argv(cwd: Path) -> list[str]:
+def _bwrap_argv(cwd: Path, limits: Limits = Limits()) -> list[str]:
     """Only the system's programs, libraries and settings (what other users may not read covered), the
     interpreter's installation and the task directory are in the sandbox's file system: not the host's other
     directories (home directories, /root, /run's service sockets, this project), all read-only but the task
     directory. (The sandbox's user is bubblewrap's caller to the host's files: started by root, root. What it can
-    see is therefore kept to what any user may read anyway.)"""
+    see is therefore kept to what any user may read anyway.) The file systems bubblewrap makes in memory are
+    sized (/tmp and /dev/shm: `Limits.tmp_mb`) or read-only (/dev, the cover over this package): unsized, a
+    program could fill the host's memory through them, past the memory limit (session 55: 1.5 GB in /tmp under
+    a 1 GiB limit)."""
     system = []
     for path in SYSTEM:
         if os.path.islink(path):   # (a merged /usr: /bin -> usr/bin)
@@ -200,11 +207,14 @@ def _bwrap_argv(cwd: Path) -> list[str]:
     for prefix in sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}):
         python += ["--ro-bind-try", prefix, prefix]
     # this package's source (it may be installed in the interpreter's environment, or under the task directory)
-    hide = [] if PACKAGE == cwd or PACKAGE in cwd.parents else ["--tmpfs", str(PACKAGE)]
+    hide = [] if PACKAGE == cwd or PACKAGE in cwd.parents else ["--tmpfs", str(PACKAGE), "--remount-ro", str(PACKAGE)]
+    size = str(limits.tmp_mb << 20)
     return ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user",
-            "--uid", "65534", "--gid", "65534", *system, "--dev", "/dev", "--proc", "/proc",
+            "--uid", "65534", "--gid", "65534", *system,
+            "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--proc", "/proc",
             "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
-            "--tmpfs", "/tmp", *python, "--bind", str(cwd), str(cwd), *hide, "--chdir", str(cwd), "--as-pid-1", "--"]
+            "--size", size, "--tmpfs", "/tmp", *python, "--bind", str(cwd), str(cwd), *hide, "--chdir", str(cwd),
+            "--as-pid-1", "--"]
 
 
 def cgroups() -> bool:
@@ -259,9 +269,55 @@ class _Capture:
         return self.head.decode(errors="replace")[: chars // 2] + TRUNCATED + self.tail.decode(errors="replace")[-chars // 2:]
 
 
-def _read_until(proc: subprocess.Popen, streams: dict, deadline: float) -> bool:
-    """Read the pipes in `streams` (file object -> _Capture) until both end, or `deadline` passes (False), or a
-    second after the program ended (a process it left behind may hold them open: not waited for)."""
+def _tree_size(root: Path, max_entries: int) -> int | None:
+    """The bytes the files under `root` take on disk (links not followed; a loop or a deep tree walked without
+    recursion), or None when it holds more than `max_entries` files and directories."""
+    total, entries, stack = 0, 0, [str(root)]
+    while stack:
+        try:
+            it = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with it:
+            for entry in it:
+                entries += 1
+                if entries > max_entries:
+                    return None
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    else:
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    pass
+    return total
+
+
+class _DiskWatch:
+    """Whether a run has added more than `mb` MiB to the disk its directory is on, since it started: the file
+    system's free space, read in O(1) between reads of the output (so another writer to the same disk counts
+    too; the limit is a guard for the host's disk, set well above what a task writes)."""
+
+    def __init__(self, path: Path, mb: int) -> None:
+        self.path, self.budget = path, mb << 20
+        self.free = self._free()
+
+    def _free(self) -> int | None:
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    def over(self) -> bool:
+        now = self._free()
+        return self.free is not None and now is not None and self.free - now > self.budget
+
+
+def _read_until(proc: subprocess.Popen, streams: dict, deadline: float, stop: Callable[[], bool] | None = None) -> bool:
+    """Read the pipes in `streams` (file object -> _Capture) until both end, or `deadline` passes or `stop()`
+    says so (False), or a second after the program ended (a process it left behind may hold them open: not
+    waited for)."""
     with selectors.DefaultSelector() as sel:
         for f in streams:
             sel.register(f, selectors.EVENT_READ)
@@ -272,7 +328,7 @@ def _read_until(proc: subprocess.Popen, streams: dict, deadline: float) -> bool:
                 ended = now
             if ended is not None and now - ended > 1.0:
                 return True
-            if now >= deadline:
+            if now >= deadline or (stop is not None and stop()):
                 return False
             for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
                 data = os.read(key.fd, 65536)
@@ -290,10 +346,16 @@ def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdi
     is read, so it must fit a pipe's buffer: a few KiB).
     Its output is read as it comes, keeping the start and the end of each stream (`Limits.output_chars`)."""
     cwd = Path(cwd).resolve()
+    held = _tree_size(cwd, limits.disk_files)
+    if held is None or held > limits.disk_mb << 20:   # (what earlier runs left: refused before it grows more)
+        what = f"more than {limits.disk_files} files" if held is None else f"{held / 2**20:.0f} MiB of files"
+        note = (f"not run: the directory holds {what} (the limit: {limits.disk_mb} MiB, {limits.disk_files} files); "
+                "remove some first")
+        return Completed(1, "", "", 0.0, False, note)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"}
     argv = [sys.executable, "-E", "-s", "-B", *args]
     if isolation() == "bubblewrap":
-        argv = [*_bwrap_argv(cwd), *argv]
+        argv = [*_bwrap_argv(cwd, limits), *argv]
     group = _Cgroup(limits) if cgroups() else None
 
     def setup() -> None:   # in the child, between fork and exec
@@ -301,7 +363,7 @@ def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdi
             group.join()
         _limit(limits)
 
-    t0 = time.perf_counter()
+    t0, note = time.perf_counter(), ""
     out, err = _Capture(limits.output_chars * 4), _Capture(limits.output_chars * 4)   # (bytes: up to 4 a char)
     try:
         proc = subprocess.Popen(argv, cwd=cwd, env=env,
@@ -321,14 +383,15 @@ def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdi
                         pass
             streams = {proc.stdout: out, proc.stderr: err}
             deadline = time.monotonic() + limits.timeout_s
-            timed_out = not _read_until(proc, streams, deadline)
-            if not timed_out:   # the pipes closed: the program may still be running (it closed its output)
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-            if timed_out:
+            disk = _DiskWatch(cwd, limits.disk_mb)
+            stopped = not _read_until(proc, streams, deadline, disk.over)
+            while not stopped and proc.poll() is None:   # the pipes closed: the program may still run (it closed
+                stopped = time.monotonic() >= deadline or disk.over()   # its output)
+                time.sleep(0.02)
+            if stopped:
                 _kill_group(proc.pid)
+                if disk.over():
+                    note = f"stopped: the run wrote more than {limits.disk_mb} MiB to disk"
             if group is not None:   # what is left in the run's groups (e.g. a daemon in a session of its own)
                 group.kill()
             # a process outside the run's groups that still holds a pipe (without cgroups, a child that left the
@@ -343,7 +406,7 @@ def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdi
         if group is not None:
             group.remove()
     return Completed(proc.returncode, out.text(limits.output_chars), err.text(limits.output_chars),
-                     time.perf_counter() - t0, timed_out)
+                     time.perf_counter() - t0, stopped and not note, note)
 
 
 def run_command(command: str, cwd: str | Path, limits: Limits = Limits()) -> Completed:
