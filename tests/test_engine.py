@@ -192,10 +192,45 @@ def test_penalties_count_response_tokens_only():
     (dict(stop_token_ids=(99,)), "stop_token_ids"),
     (dict(max_new_tokens=2000), "exceeds the context limit of 1024"),
     (dict(stop=("x",)), "stop strings need a tokenizer"),
+    # found by a hostile pass (session 55): raw TypeErrors, a RuntimeError, a failure at the first step, or
+    # True taken as 1
+    (dict(stop_token_ids=5), "stop_token_ids must be a list"),
+    (dict(stop_token_ids=tuple(range(2000))), "up to 1024"),
+    (dict(logit_bias=5), "logit_bias"),
+    (dict(logit_bias=((True, 5.0),)), "logit_bias"),
+    (dict(logit_bias=((1, "5"),)), "logit_bias"),
+    (dict(seed=True), "seed"),
+    (dict(block_size=True), "block_size"),
+    (dict(top_k=True), "top_k"),
+    (dict(max_accept_per_step=True), "max_accept_per_step"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(min_p=1.5), "min_p"),
 ])
 def test_bad_parameters_are_rejected_with_the_field_named(bad, message):
     with pytest.raises(ValueError, match=message):
         Engine(ScriptedModel()).add_request([1, 2], SamplingParams(**bad))
+
+
+def test_parameters_take_the_spellings_of_other_apis():
+    """One stop string, lists, OpenAI's logit_bias mapping and top_k -1 (off), as vLLM's SamplingParams takes
+    them: a bare string was read as one stop string per character."""
+    p = SamplingParams(stop="\n\n", stop_token_ids=[3, 4], logit_bias={5: 1.0, 6: -2.0}, top_k=-1)
+    assert p.stop == ("\n\n",) and p.stop_token_ids == (3, 4) and p.logit_bias == ((5, 1.0), (6, -2.0))
+    assert p.top_k == 0 and p.with_(top_k=5).top_k == 5
+    p.validate(64)
+
+
+def test_generate_leaves_nothing_queued_when_a_request_is_refused_and_a_dropped_stream_aborts():
+    engine = Engine(ScriptedModel())
+    ok, bad = SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([[1, 2], [1, 2], [1, 2]], [ok, ok, bad])
+    assert not engine.has_unfinished()
+    stream = engine.stream([1, 2], SamplingParams(max_new_tokens=50, algorithm="ar", ignore_eos=True))
+    next(stream)
+    assert engine.has_unfinished()
+    stream.close()
+    assert not engine.has_unfinished()
 
 
 def test_bad_prompts_are_rejected():
@@ -391,3 +426,15 @@ def test_the_batchs_confident_picks_equal_pick_tokens_slot_by_slot():
         want_tokens, want_conf = pick_tokens(engine.mask_out(logits[i, slots[i]]), plain, torch.zeros(v), None)
         assert torch.equal(out[i][0], want_tokens) and torch.equal(out[i][1], want_conf)
     assert int(out[0][0][1]) != mask and int(out[1][0][0]) == 9
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_likeliest():
+    import torch
+
+    from clover.engine.sampling import token_distribution
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.2)
+    p = token_distribution(logits, params, None)   # 0.2 x 0.5 = 0.1: 0.05 goes, the rest renormalised
+    assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0.0], [0.25] * 4]) / torch.tensor([[0.95], [1.0]]))
+    assert torch.equal(token_distribution(logits, params.with_(min_p=0.0), None) > 0, torch.ones(2, 4, dtype=torch.bool))

@@ -913,3 +913,33 @@ def test_streamed_completion_text_offsets_are_the_whole_replys():
     tokens = [t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
     assert tokens == whole["tokens"] and offsets == whole["text_offset"]
     assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == "x" + text
+
+
+def test_vllm_sampling_fields_are_taken():
+    """Found by a hostile pass (session 55): stop_token_ids (which the engine had), min_p,
+    include_stop_str_in_output, best_of, skip_special_tokens and top_k -1 were refused as unknown or out of
+    range, breaking vLLM clients."""
+    from fastapi.testclient import TestClient
+
+    text = "alpha beta gamma delta epsilon"
+    tok = Tokenizer.train([text] * 20, vocab_size=300)
+    config = CloverConfig.preset("debug", vocab_size=300, mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_ids)
+    ids = tok.encode(text)
+    app = build_app(TextScriptModel(ids, config), tok, ServerConfig(model_name="m"), generation_defaults={"algorithm": "ar"})
+    chat = {"messages": [{"role": "user", "content": "x"}], **THINK_OFF}
+    with TestClient(app) as http:
+        def reply(**fields):
+            r = http.post("/v1/chat/completions", json={**chat, **fields})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+        assert reply(stop=[" gamma"])["message"]["content"] == "alpha beta"
+        assert reply(stop=[" gamma"], include_stop_str_in_output=True)["message"]["content"] == "alpha beta gamma"
+        k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+        cut = reply(stop_token_ids=[ids[k]])
+        assert cut["finish_reason"] == "stop" and cut["message"]["content"] == tok.decode(ids[:k])
+        assert reply(min_p=0.5, top_k=-1, best_of=1, skip_special_tokens=False, spaces_between_special_tokens=True,
+                     temperature=0.7, seed=1)["message"]["content"] == text   # (a script: one token allowed)
+        r = http.post("/v1/chat/completions", json={**chat, "best_of": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+        r = http.post("/v1/chat/completions", json={**chat, "min_p": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_p"

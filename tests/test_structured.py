@@ -620,3 +620,21 @@ def test_threads_asking_for_the_same_grammar_at_once_build_it_once(setup):
         errors = [f.exception() for f in [pool.submit(compiler.build, bad) for _ in range(3)]]
     assert slow.built == 2 and all(isinstance(e, GrammarError) for e in errors)
     assert not compiler._building
+
+
+def test_kept_matchers_are_bounded_by_their_grammars_size(setup):
+    """Kept by count alone, 64 large JSON schemas held ~830 MB (13 MB each, session 55): the compiler keeps the
+    newest within `keep_chars` characters of grammar, the one just built always, and rebuilds what it let go."""
+    from clover.engine.structured import GrammarCompiler, _grammar
+
+    model, tok = setup
+    schemas = [Constraint.json_schema({"type": "object", "properties": {f"k{k}_{i}": {"type": "string"}
+                                                                         for i in range(20)}}) for k in range(4)]
+    size = len(_grammar(schemas[0]))
+    compiler = GrammarCompiler(tok, model.config.vocab_size, tok.eos_token_ids, keep_chars=2 * size + size // 2)
+    built = [compiler.build(c) for c in schemas]
+    assert list(compiler._built) == schemas[2:]                  # two fit the budget: the two newest
+    assert compiler.build(schemas[3]) is built[3] and compiler.build(schemas[0]) is not built[0]   # rebuilt
+    assert list(compiler._built) == [schemas[3], schemas[0]]
+    alone = GrammarCompiler(tok, model.config.vocab_size, tok.eos_token_ids, keep_chars=1)
+    assert alone.build(schemas[1]) is alone.build(schemas[1]) and list(alone._built) == [schemas[1]]

@@ -274,25 +274,37 @@ class Engine:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} parameter sets for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        ids: list[str] = []
         results: dict[str, GenerationResult] = {}
-        while self.has_unfinished():
-            for ev in self.step():
-                if ev.finished and ev.result is not None:
-                    results[ev.request_id] = ev.result
+        try:
+            for p, sp in zip(prompts, plist, strict=True):
+                ids.append(self.add_request(p, sp))
+            while self.has_unfinished():
+                for ev in self.step():
+                    if ev.finished and ev.result is not None:
+                        results[ev.request_id] = ev.result
+        except BaseException:   # a request refused (those added before it), an interrupt: none is left queued
+            for rid in ids:     # or running, to be decoded for nobody by the next call (vLLM's LLM.generate)
+                if rid not in results:
+                    self.abort(rid)
+            raise
         return [results[i] for i in ids]
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[Event]:
-        """Decode one prompt alone, yielding each block (or token, for `ar`) as it becomes final."""
+        """Decode one prompt alone, yielding each block (or token, for `ar`) as it becomes final. A stream
+        closed or dropped before the end (or an error) aborts its request."""
         rid = self.add_request(prompt_ids, params)
-        while True:
-            for ev in self.step():
-                if ev.request_id == rid:
-                    yield ev
-                    if ev.finished:
-                        return
-            if not any(s.rid == rid for s in itertools.chain(self.waiting, self.running)):
-                return  # aborted
+        try:
+            while True:
+                for ev in self.step():
+                    if ev.request_id == rid:
+                        yield ev
+                        if ev.finished:
+                            return
+                if not any(s.rid == rid for s in itertools.chain(self.waiting, self.running)):
+                    return  # aborted
+        finally:
+            self.abort(rid)   # (nothing to do once it finished)
 
     # -- admission -----------------------------------------------------------------------------------
     def _admit(self) -> list[SequenceState]:
@@ -607,7 +619,8 @@ class Engine:
                 m = s.ends_at[bisect.bisect_left(s.ends, end)]
                 del s.generated[m:], s.accept_steps[m:], s.logprobs[m:]
                 s.stop_logprob = None   # a stop token after it in the same run did not end the reply
-                self.finish(s, [], [], "stop", events, text=s.decoded[:at])
+                self.finish(s, [], [], "stop", events,
+                            text=s.decoded[:end if s.params.include_stop_str_in_output else at])
                 return
         if stop_token is not None:
             s.stop_token = stop_token

@@ -39,12 +39,14 @@ class SamplingParams:
     temperature: float = _DEFAULTS.temperature
     top_k: int = _DEFAULTS.top_k        # 0: off
     top_p: float = _DEFAULTS.top_p
+    min_p: float = 0.0                  # vLLM's: drop tokens less likely than min_p x the likeliest (0: off)
     seed: int | None = None
     presence_penalty: float = _DEFAULTS.presence_penalty
     frequency_penalty: float = _DEFAULTS.frequency_penalty
     repetition_penalty: float = _DEFAULTS.repetition_penalty
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False   # vLLM's: the text ends with the stop string that ended it
     ignore_eos: bool = False
     algorithm: str = _DEFAULTS.algorithm
     block_size: int | None = _DEFAULTS.block_size  # None: the model's block size
@@ -55,6 +57,23 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit), OpenAI's
     min_tokens: int = 0                 # no stop token or stop string before this many generated tokens
     record_steps: bool = False          # keep the step that accepted each token and a per-step trace
+
+    def __post_init__(self) -> None:
+        """The spellings other APIs use, as vLLM's SamplingParams takes them: one stop string for a list of one
+        (a bare string was read as one stop string per character), lists for tuples, OpenAI's logit_bias
+        mapping, and top_k -1 for off."""
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        if isinstance(self.stop, str):
+            put("stop", (self.stop,))
+        for name in ("stop", "stop_token_ids", "logit_bias"):
+            if isinstance(getattr(self, name), list):
+                put(name, tuple(getattr(self, name)))
+        if isinstance(self.logit_bias, dict):
+            put("logit_bias", tuple(self.logit_bias.items()))
+        if _is_int(self.top_k) and self.top_k == -1:
+            put("top_k", 0)
 
     def with_(self, **changes: object) -> SamplingParams:
         return replace(self, **changes)
@@ -69,50 +88,64 @@ class SamplingParams:
         def bad(name: str, rule: str) -> None:
             raise InvalidParameter(name, f"{name} must be {rule}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+        def within(name: str, low: float, high: float, open_low: bool = False) -> bool:
+            v = getattr(self, name)
+            return _is_number(v) and math.isfinite(v) and (low < v if open_low else low <= v) and v <= high
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad("max_new_tokens", "a positive integer")
-        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= 2:
+        if not within("temperature", 0, 2):
             bad("temperature", "between 0 and 2")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "a non-negative integer (0 disables it)")
-        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "a non-negative integer (0 or -1 disables it)")
+        if not within("top_p", 0, 1, open_low=True):
             bad("top_p", "in (0, 1]")
+        if not within("min_p", 0, 1):
+            bad("min_p", "between 0 and 1 (0 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+            if not within(name, -2, 2):
                 bad(name, "between -2 and 2")
-        if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+        if not within("repetition_penalty", 0, 10, open_low=True):
             bad("repetition_penalty", "in (0, 10]")
         if self.algorithm not in ALGORITHMS:
             bad("algorithm", f"one of {list(ALGORITHMS)}")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024):
+        if self.block_size is not None and (not _is_int(self.block_size) or not 1 <= self.block_size <= 1024):
             bad("block_size", "an integer between 1 and 1024")
-        if not math.isfinite(self.threshold) or not 0 <= self.threshold <= 1:
+        if not within("threshold", 0, 1):
             bad("threshold", "between 0 and 1")
-        if self.max_accept_per_step is not None and (
-            not isinstance(self.max_accept_per_step, int) or self.max_accept_per_step < 1
-        ):
+        if self.max_accept_per_step is not None and (not _is_int(self.max_accept_per_step) or self.max_accept_per_step < 1):
             bad("max_accept_per_step", "a positive integer or None")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "a list of non-empty strings")
-        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
-            bad("stop_token_ids", f"token ids in [0, {vocab_size})")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < SEED_BOUND):
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "a string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > 1024 or \
+                any(not _is_int(t) or not 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"a list of up to 1024 token ids in [0, {vocab_size})")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_BOUND):
             bad("seed", SEED_RULE)
-        if any(not isinstance(i, int) or not 0 <= i < vocab_size or not math.isfinite(b) or not -100 <= b <= 100
-               for i, b in self.logit_bias) or len(self.logit_bias) > 1024:
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > 1024 or any(
+                not isinstance(pair, (tuple, list)) or len(pair) != 2 or not _is_int(pair[0]) or not 0 <= pair[0] < vocab_size
+                or not _is_number(pair[1]) or not math.isfinite(pair[1]) or not -100 <= pair[1] <= 100
+                for pair in self.logit_bias):
             bad("logit_bias", f"up to 1024 token ids in [0, {vocab_size}) with biases between -100 and 100")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
-                not 0 <= self.min_tokens <= self.max_new_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             bad("min_tokens", "an integer between 0 and max_tokens")
         if self.constraint is not None and self.ignore_eos:
             bad("ignore_eos", "off with a grammar (structured output), which ends the reply when it is complete")
         if self.logprobs is not None:
-            if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+            if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
                 bad("logprobs", f"an integer between 0 and {MAX_LOGPROBS} (the alternatives per token)")
             if self.algorithm not in LOGPROB_ALGORITHMS:
                 raise InvalidParameter("logprobs", f"logprobs need a decoder whose tokens come from the causal head: "
                                        f"algorithm 'ar' or 'verify' (the same tokens), not {self.algorithm!r}, "
                                        "which commits tokens from the block preview")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def check_generation_defaults(generation: GenerationConfig, vocab_size: int, source: str) -> None:
@@ -146,7 +179,9 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor | None, params: S
     return logits
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    if min_p > 0:   # p < min_p * p_max, i.e. logit < max logit + log(min_p) (the likeliest token always stays)
+        logits = logits.masked_fill(logits < logits.max(-1, keepdim=True).values + math.log(min_p), float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -162,11 +197,11 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 def token_distribution(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None) -> torch.Tensor:
     """The distribution a token is drawn from at each row of logits [M,V]: penalties, then temperature,
-    top-k and top-p; at temperature 0 a one-hot on the argmax. Returns probabilities [M,V] in fp32."""
+    min-p, top-k and top-p; at temperature 0 a one-hot on the argmax. Returns probabilities [M,V] in fp32."""
     logits = _finite(apply_penalties(logits.float(), counts, params))
     if params.greedy:  # the argmax exactly as pick_tokens takes it
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = _filter_top_k_top_p(_finite(logits / params.temperature), params.top_k, params.top_p)
+    logits = _filter_top_k_top_p(_finite(logits / params.temperature), params.top_k, params.top_p, params.min_p)
     return torch.softmax(logits, dim=-1)
 
 

@@ -136,7 +136,7 @@ def _compiled(fn: Callable[..., Any], *args: Any) -> Any:
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)   # (~3 MB each for a 230 KB schema: 256 of them held 800 MB)
 def _grammar(constraint: Constraint) -> str:
     """The constraint as an llguidance grammar (GrammarError if its source is too long or malformed)."""
     if len(constraint.source) > MAX_GRAMMAR_CHARS:
@@ -179,19 +179,26 @@ def _headline(matcher: Any) -> str:
     return (matcher.get_error().strip().splitlines() or ["?"])[0]
 
 
+# What the kept matchers may hold, in characters of their grammars: a matcher takes ~60 bytes per character of
+# its grammar (13 MB for a 230 KB JSON schema of 3,500 patterned properties, measured on 2026-12-07), so ~250 MB.
+KEEP_GRAMMAR_CHARS = 4_000_000
+
+
 class GrammarCompiler:
     """Turns constraints into matchers for one tokenizer and vocabulary (the tokenizer is converted once).
-    The matchers of the last `keep` constraints are kept at their start and copied for each request: an
-    agent sends the same tools every turn, and building a matcher takes milliseconds per tool."""
+    The matchers of the last `keep` constraints (whose grammars hold at most `keep_chars` characters together)
+    are kept at their start and copied for each request: an agent sends the same tools every turn, and building
+    a matcher takes milliseconds per tool. (Kept by count alone, 64 large schemas held 830 MB.)"""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int], keep: int = 64) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int], keep: int = 64,
+                 keep_chars: int = KEEP_GRAMMAR_CHARS) -> None:
         ll = _llguidance()
         self.vocab_size = vocab_size
         self._ll = ll
         self._tokenizer = ll.LLTokenizer(tokenizer.tk.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
         self.eos_ids = frozenset(eos_ids)
-        self._keep = keep
-        self._built: OrderedDict[Constraint, Any] = OrderedDict()
+        self._keep, self._keep_chars = keep, keep_chars
+        self._built: OrderedDict[Constraint, tuple[Any, int]] = OrderedDict()   # matcher, its grammar's length
         self._building: dict[Constraint, Future] = {}   # constraints a thread is building now
         self._lock = threading.Lock()
 
@@ -201,10 +208,10 @@ class GrammarCompiler:
         so that a large grammar (0.14 s for 156 KB of JSON schema) does not stall the batch; llguidance lets
         the other threads run while it compiles."""
         with self._lock:
-            m = self._built.get(constraint)
-            if m is not None:
+            kept = self._built.get(constraint)
+            if kept is not None:
                 self._built.move_to_end(constraint)
-                return m
+                return kept[0]
             building = self._building.get(constraint)
             mine = building is None   # this thread builds it; others asking meanwhile wait for it (n > 1, agents
             if mine:                  # sending the same tools at once)
@@ -212,7 +219,8 @@ class GrammarCompiler:
         if not mine:
             return building.result()   # (its GrammarError too)
         try:
-            m = _compiled(lambda g: self._ll.LLMatcher(self._tokenizer, g, log_level=0), _grammar(constraint))
+            grammar = _grammar(constraint)
+            m = _compiled(lambda g: self._ll.LLMatcher(self._tokenizer, g, log_level=0), grammar)
             if m.is_error():
                 raise GrammarError(f"{constraint.kind}: {m.get_error()}")
             m.compute_bitmask()   # a grammar that matches no text fails only at its first mask (it read as
@@ -224,9 +232,10 @@ class GrammarCompiler:
             building.set_exception(exc)
             raise
         with self._lock:
-            self._built[constraint] = m
-            if len(self._built) > self._keep:
-                self._built.popitem(last=False)
+            self._built[constraint] = (m, len(grammar))
+            held = sum(n for _, n in self._built.values())
+            while len(self._built) > 1 and (len(self._built) > self._keep or held > self._keep_chars):
+                held -= self._built.popitem(last=False)[1][1]   # the oldest (the one just built stays)
             del self._building[constraint]
         building.set_result(m)
         return m

@@ -266,6 +266,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         echo), which may fill the whole context (the parameters are those a one-token generation would get)."""
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}", param="n")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of other than n is not supported (every choice is returned: ask for n)",
+                           param="best_of")
         if req.stream_options is not None and not req.stream:   # (as OpenAI and vLLM answer it)
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         _check_model(req.model)
@@ -297,7 +300,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         return SamplingParams(**decoding, max_new_tokens=max_new, seed=req.seed, stop=stop,
                               ignore_eos=req.ignore_eos, max_accept_per_step=req.max_accept_per_step,
                               logprobs=logprobs, constraint=constraint, logit_bias=tuple(bias),
-                              min_tokens=req.min_tokens)
+                              min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids or ()),
+                              min_p=0.0 if req.min_p is None else req.min_p,
+                              include_stop_str_in_output=req.include_stop_str_in_output)
 
     def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])

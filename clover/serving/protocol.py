@@ -164,6 +164,15 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)     # vLLM's: no end of sequence or stop string before this many tokens
+    # vLLM's sampling fields
+    stop_token_ids: list[int] | None = None
+    min_p: float | None = None
+    include_stop_str_in_output: bool = False
+    best_of: int | None = None                   # only None or n: every choice is returned
+    # vLLM's detokenizer switches, accepted without effect: a reply's text never holds the tokens that end or
+    # mask (they end it or are never picked), and keeps the chat markup (<think>, <tool_call>) its parsers read
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # accepted and without effect on the reply (OpenAI bookkeeping)
     user: str | None = None
     metadata: dict[str, str] | None = None
