@@ -943,3 +943,7 @@ def test_vllm_sampling_fields_are_taken():
         assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
         r = http.post("/v1/chat/completions", json={**chat, "min_p": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_p"
+        # a grammar that matches no text is found only when it is built: its 400 names the field too (was null)
+        for field, grammar in (("guided_grammar", "start: start"), ("guided_json", {"$ref": "#"})):
+            r = http.post("/v1/chat/completions", json={**chat, field: grammar})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

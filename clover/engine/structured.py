@@ -40,7 +40,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -72,6 +72,7 @@ class Constraint:
     source: str = ""
     trigger: int | None = None
     not_before: int | None = None
+    origin: str | None = field(default=None, compare=False)   # the request field it came from (for errors)
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> Constraint:

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import torch
 
 from clover.engine.engine import Engine, Event, GenerationResult
-from clover.engine.sampling import SamplingParams
+from clover.engine.sampling import InvalidParameter, SamplingParams
+from clover.engine.structured import GrammarError
 
 
 class QueueFull(RuntimeError):
@@ -138,7 +139,12 @@ class AsyncEngine:
         if params.constraint is not None:   # its grammar compiled here, not on the engine thread (the batch
             with self._lock:                # would wait for it), once the request would be let in
                 self._let_in()
-            await asyncio.to_thread(self.engine.prepare_grammar, params.constraint)
+            try:
+                await asyncio.to_thread(self.engine.prepare_grammar, params.constraint)
+            except GrammarError as exc:   # (one that matches no text: found only by building it)
+                if params.constraint.origin is None:
+                    raise
+                raise InvalidParameter(params.constraint.origin, str(exc)) from None
         rid = f"r{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:

@@ -12,7 +12,7 @@ false turns it off). "none" hides the tools from the prompt and keeps tool-call 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from clover.engine.structured import Constraint, auto_tool_calls, grammar_error, tool_call_grammar
@@ -75,7 +75,7 @@ def _compiles(constraint: Constraint, param: str) -> Constraint:
     problem = grammar_error(constraint)
     if problem is not None:
         raise APIError(400, f"{param}: {problem[:2000]}", param=param)
-    return constraint
+    return replace(constraint, origin=param)   # (a grammar that matches no text is found later)
 
 
 def thinking_from(kwargs: dict[str, Any] | None) -> bool:
