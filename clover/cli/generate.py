@@ -69,6 +69,8 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, help="0 is greedy")
     g.add_argument("--top-k", type=int)
     g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the likeliest "
+                                                           "(0: off)")
     g.add_argument("--seed", type=int)
     g.add_argument("--presence-penalty", type=float)
     g.add_argument("--frequency-penalty", type=float)
@@ -89,7 +91,7 @@ def sampling_params(args: argparse.Namespace, generation: GenerationConfig) -> S
         top_k=args.top_k, top_p=args.top_p, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     return SamplingParams(
-        **decoding, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop),
+        **decoding, max_new_tokens=args.max_new_tokens, seed=args.seed, min_p=args.min_p, stop=tuple(args.stop),
         stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos, max_accept_per_step=args.max_accept,
         record_steps=bool(args.show_steps or args.trace),
     )
