@@ -205,6 +205,7 @@ def test_penalties_count_response_tokens_only():
     (dict(max_accept_per_step=True), "max_accept_per_step"),
     (dict(temperature="0.5"), "temperature"),
     (dict(min_p=1.5), "min_p"),
+    (dict(temperature=10**400), "temperature"),   # (too large for a float: an OverflowError, a review found)
 ])
 def test_bad_parameters_are_rejected_with_the_field_named(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -218,6 +219,9 @@ def test_parameters_take_the_spellings_of_other_apis():
     assert p.stop == ("\n\n",) and p.stop_token_ids == (3, 4) and p.logit_bias == ((5, 1.0), (6, -2.0))
     assert p.top_k == 0 and p.with_(top_k=5).top_k == 5
     p.validate(64)
+    q = SamplingParams(logit_bias=[[5, 1.0]])   # (JSON's pairs: lists)
+    assert q.logit_bias == ((5, 1.0),) and hash(q) == hash(SamplingParams(logit_bias=((5, 1.0),)))
+    q.validate(64)
 
 
 def test_generate_leaves_nothing_queued_when_a_request_is_refused_and_a_dropped_stream_aborts():

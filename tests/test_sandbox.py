@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -254,6 +255,9 @@ def test_values_of_returns_plain_values_and_nothing_else(tmp_path):
     assert values_of("import no_such_module", ["1"], tmp_path) is None       # the setup failed
     assert values_of("import os\nos._exit(0)", ["1"], tmp_path) is None      # exited before any value
     assert values_of("", [], tmp_path) == []
+    # a values file the program wrote itself, too large to parse safely (3.8 MiB of list took 1.9 GB): no values
+    huge = "import atexit, sys\natexit.register(lambda: open(sys.argv[1], 'w').write('[' + '1,' * (1 << 20) + ']'))"
+    assert values_of(huge, ["1"], tmp_path) is None
     assert not any(p.name.startswith("clover-judge-") for p in tmp_path.iterdir())   # cleaned up
 
 
@@ -277,15 +281,50 @@ def test_memory_backed_file_systems_are_sized_and_the_rest_read_only(tmp_path):
     code = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        f = open(p, 'wb')\n"
             "        for i in range(40):\n            f.write(bytes(1 << 20)); f.flush()\n        print(p, 'all')\n"
             "    except OSError as e:\n        print(p, i if p.startswith(('/tmp', '/dev/shm')) else '', e.errno)\n")
-    r = run_python(["-c", code, "/tmp/x", "/dev/shm/x", "/dev/x", f"{PACKAGE}/x"], tmp_path,
-                   Limits(timeout_s=30, tmp_mb=16, file_mb=64))
-    assert r.stdout.splitlines() == ["/tmp/x 16 28", "/dev/shm/x 16 28", "/dev/x  30", f"{PACKAGE}/x  30"], r.text()
+    from clover.evaluation.sandbox import _covered
+
+    # bubblewrap's own root is a tmpfs too, and so is each cover over a directory other users may not read
+    # (found by a review: both were still writable, unsized)
+    covers = [_covered()[i + 1] for i, a in enumerate(_covered()) if a == "--tmpfs"][:1]
+    paths = ["/tmp/x", "/dev/shm/x", "/dev/x", f"{PACKAGE}/x", "/x", "/newdir/x", *(f"{c}/x" for c in covers)]
+    r = run_python(["-c", code.replace("open(p, 'wb')", "(os.makedirs(os.path.dirname(p), exist_ok=True), "
+                                       "open(p, 'wb'))[1]").replace("import sys", "import os, sys"), *paths],
+                   tmp_path, Limits(timeout_s=30, tmp_mb=16, file_mb=64))
+    assert r.stdout.splitlines() == ["/tmp/x 16 28", "/dev/shm/x 16 28", *(f"{p}  30" for p in paths[2:])], r.text()
+    assert run_python(["-c", "open('here', 'w').write('x')"], tmp_path).returncode == 0   # the task directory
+
+
+def test_without_sized_file_systems_tmp_is_read_only_and_temporary_files_go_to_the_task(tmp_path, monkeypatch):
+    """A bubblewrap without --size (before 0.7, or setuid) would have refused every run, and the probe fallen
+    back to rlimits: it runs with /tmp and /dev/shm read-only, TMPDIR the task directory."""
+    if isolation() != "bubblewrap":
+        pytest.skip("bubblewrap is not available here")
+    from clover.evaluation import sandbox
+
+    monkeypatch.setattr(sandbox, "_bwrap_mode", lambda: ("unsized", ""))
+    code = ("import errno, tempfile\nfor p in ('/tmp/x', '/dev/shm/x'):\n    try:\n        open(p, 'w')\n"
+            "    except OSError as e:\n        print(p, errno.errorcode[e.errno])\nprint(tempfile.mkstemp()[1])")
+    r = run_python(["-c", code], tmp_path)
+    lines = r.stdout.splitlines()
+    assert lines[:2] == ["/tmp/x EROFS", "/dev/shm/x EROFS"] and lines[2].startswith(str(tmp_path.resolve())), r.text()
 
 
 def test_a_run_that_fills_the_disk_is_stopped_and_a_full_directory_refuses_the_next(tmp_path):
     limits = Limits(timeout_s=30, disk_mb=16, file_mb=64)
     small = run_python(["-c", "open('a', 'wb').write(bytes(1 << 20)); print('ok')"], tmp_path, limits)
     assert small.returncode == 0 and small.stdout.strip() == "ok" and not small.stopped
+    if isolation() == "bubblewrap":   # another writer to the same disk (a checkpoint) stops no run (a review)
+        other = tmp_path.parent / f"{tmp_path.name}-other"
+        writer = threading.Thread(target=lambda: other.write_bytes(os.urandom(48 << 20)))
+        slow = ["-c", "import time; time.sleep(0.3); open('b', 'wb').write(bytes(1 << 20)); time.sleep(1.5); "
+                      "print('ok')"]
+        writer.start()
+        shared = run_python(slow, tmp_path, limits)
+        writer.join()
+        other.unlink()
+        assert shared.stdout.strip() == "ok" and not shared.stopped, shared.text()
+        for p in tmp_path.iterdir():
+            p.unlink()
     code = "import os\nfor i in range(200):\n    open(f'f{i}', 'wb').write(os.urandom(1 << 20))\nprint('all')"
     big = run_python(["-c", code], tmp_path, limits)
     assert big.stopped.startswith("stopped: the run wrote more than 16 MiB") and "all" not in big.stdout

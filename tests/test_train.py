@@ -453,7 +453,14 @@ def test_resuming_a_finished_run_changes_nothing_and_says_so(data_dir, tmp_path,
     # killed after its last checkpoint, before its model was written: the resume writes it
     shutil.rmtree(run / "model")
     assert cli_main(["train", "--data", str(data_dir), "--out", str(run), "--resume"]) == 0
-    assert (run / "model" / "model.safetensors").is_file()
+    assert (run / "model" / "model.safetensors").is_file() and json.loads(capsys.readouterr().out)["step"] == 2
+    # a model older than the checkpoint (an earlier finish, the run extended since and killed at the new end's
+    # checkpoint, found by a review) is written again from the checkpoint
+    old = (run / "model" / "model.safetensors").read_bytes()
+    os.utime(run / "model" / "config.json", ns=(0, 0))
+    (run / "model" / "model.safetensors").write_bytes(b"stale")
+    assert cli_main(["train", "--data", str(data_dir), "--out", str(run), "--resume"]) == 0
+    assert (run / "model" / "model.safetensors").read_bytes() == old
 
 
 def test_compile_is_used_with_bfloat16(data_dir, tmp_path, monkeypatch, capsys):

@@ -6,6 +6,7 @@ Dimension letters: M positions being decided, V vocabulary.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -72,6 +73,8 @@ class SamplingParams:
                 put(name, tuple(getattr(self, name)))
         if isinstance(self.logit_bias, dict):
             put("logit_bias", tuple(self.logit_bias.items()))
+        if isinstance(self.logit_bias, tuple) and any(isinstance(pair, list) for pair in self.logit_bias):
+            put("logit_bias", tuple(tuple(pair) if isinstance(pair, list) else pair for pair in self.logit_bias))
         if _is_int(self.top_k) and self.top_k == -1:
             put("top_k", 0)
 
@@ -123,7 +126,7 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_BOUND):
             bad("seed", SEED_RULE)
         if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > 1024 or any(
-                not isinstance(pair, (tuple, list)) or len(pair) != 2 or not _is_int(pair[0]) or not 0 <= pair[0] < vocab_size
+                not isinstance(pair, tuple) or len(pair) != 2 or not _is_int(pair[0]) or not 0 <= pair[0] < vocab_size
                 or not _is_number(pair[1]) or not math.isfinite(pair[1]) or not -100 <= pair[1] <= 100
                 for pair in self.logit_bias):
             bad("logit_bias", f"up to 1024 token ids in [0, {vocab_size}) with biases between -100 and 100")
@@ -141,11 +144,18 @@ class SamplingParams:
 
 
 def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A real number a float holds (numpy's too; not a bool, not an int too large for a float)."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
 
 
 def check_generation_defaults(generation: GenerationConfig, vocab_size: int, source: str) -> None:

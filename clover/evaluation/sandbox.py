@@ -179,22 +179,23 @@ def _covered() -> tuple[str, ...]:
                     continue
                 if stat.S_ISDIR(mode):
                     if mode & 0o005 != 0o005:   # not listable and enterable by others: an empty one instead
-                        args += ["--tmpfs", path]
+                        args += ["--tmpfs", path, "--remount-ro", path]   # (read-only: no memory to write into)
                         dirs.remove(name)
                 elif not stat.S_ISLNK(mode) and not mode & 0o004:
                     args += ["--ro-bind", "/dev/null", path]
     return tuple(args)
 
 
-def _bwrap_argv(cwd: Path, limits: Limits = Limits()) -> list[str]:
+def _bwrap_argv(cwd: Path, limits: Limits = Limits(), sized: bool = True) -> list[str]:
     """Only the system's programs, libraries and settings (what other users may not read covered), the
     interpreter's installation and the task directory are in the sandbox's file system: not the host's other
     directories (home directories, /root, /run's service sockets, this project), all read-only but the task
     directory. (The sandbox's user is bubblewrap's caller to the host's files: started by root, root. What it can
     see is therefore kept to what any user may read anyway.) The file systems bubblewrap makes in memory are
-    sized (/tmp and /dev/shm: `Limits.tmp_mb`) or read-only (/dev, the cover over this package): unsized, a
+    sized (/tmp and /dev/shm: `Limits.tmp_mb`) or read-only (its root, /dev, the covers): unsized and writable, a
     program could fill the host's memory through them, past the memory limit (session 55: 1.5 GB in /tmp under
-    a 1 GiB limit)."""
+    a 1 GiB limit). `sized` False, for a bubblewrap without --size (before 0.7, or setuid): /tmp and /dev/shm are
+    read-only too, and a program's temporary files go to the task directory (TMPDIR)."""
     system = []
     for path in SYSTEM:
         if os.path.islink(path):   # (a merged /usr: /bin -> usr/bin)
@@ -208,13 +209,15 @@ def _bwrap_argv(cwd: Path, limits: Limits = Limits()) -> list[str]:
         python += ["--ro-bind-try", prefix, prefix]
     # this package's source (it may be installed in the interpreter's environment, or under the task directory)
     hide = [] if PACKAGE == cwd or PACKAGE in cwd.parents else ["--tmpfs", str(PACKAGE), "--remount-ro", str(PACKAGE)]
-    size = str(limits.tmp_mb << 20)
+    size = ["--size", str(limits.tmp_mb << 20)] if sized else []
+    # read-only last: a task directory under /tmp (a temporary one) is bound into it first
+    read_only = [] if sized else ["--remount-ro", "/tmp", "--remount-ro", "/dev/shm"]
     return ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user",
             "--uid", "65534", "--gid", "65534", *system,
-            "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--proc", "/proc",
+            "--dev", "/dev", *size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--proc", "/proc",
             "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
-            "--size", size, "--tmpfs", "/tmp", *python, "--bind", str(cwd), str(cwd), *hide, "--chdir", str(cwd),
-            "--as-pid-1", "--"]
+            *size, "--tmpfs", "/tmp", *python, "--bind", str(cwd), str(cwd), *hide, *read_only, "--remount-ro", "/",
+            "--chdir", str(cwd), "--as-pid-1", "--"]
 
 
 def cgroups() -> bool:
@@ -223,24 +226,35 @@ def cgroups() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def isolation() -> str:
-    """"bubblewrap" when programs run in their own namespaces, else "rlimits" (warned about once)."""
-    if os.environ.get("CLOVER_SANDBOX") == "rlimits":   # an explicit opt-out (tests of the fallback)
-        return "rlimits"
-    if shutil.which("bwrap"):
+def _bwrap_mode() -> tuple[str, str]:
+    """("sized", "") where bubblewrap runs the interpreter with sized /tmp and /dev/shm, ("unsized", "") where it
+    runs it only without --size (bubblewrap before 0.7, or setuid), else ("", why not)."""
+    if not shutil.which("bwrap"):
+        return "", "bwrap is not installed"
+    reason = ""
+    for mode in ("sized", "unsized"):
         with tempfile.TemporaryDirectory(prefix="clover-probe-") as d:
             try:
                 # (the interpreter itself: one started through a link outside the system's directories, or
                 # with libraries elsewhere, would not start inside, whatever /bin/true does)
-                probe = subprocess.run([*_bwrap_argv(Path(d)), sys.executable, "-E", "-s", "-c", "pass"],
-                                       capture_output=True, timeout=60)
+                probe = subprocess.run([*_bwrap_argv(Path(d), sized=mode == "sized"), sys.executable, "-E", "-s",
+                                        "-c", "pass"], capture_output=True, timeout=60)
                 if probe.returncode == 0:
-                    return "bubblewrap"
-                reason = probe.stderr.decode(errors="replace").strip()[:200]
+                    return mode, ""
+                reason = reason or probe.stderr.decode(errors="replace").strip()[:200]
             except (OSError, subprocess.SubprocessError) as exc:
-                reason = str(exc)
-    else:
-        reason = "bwrap is not installed"
+                reason = reason or str(exc)
+    return "", reason
+
+
+@functools.lru_cache(maxsize=1)
+def isolation() -> str:
+    """"bubblewrap" when programs run in their own namespaces, else "rlimits" (warned about once)."""
+    if os.environ.get("CLOVER_SANDBOX") == "rlimits":   # an explicit opt-out (tests of the fallback)
+        return "rlimits"
+    mode, reason = _bwrap_mode()
+    if mode:
+        return "bubblewrap"
     logging.getLogger("clover").warning(
         "sandbox: bubblewrap unavailable (%s); model-written code runs with process limits only, which do not "
         "stop it from reading files, using the network or signalling other processes (apt-get install "
@@ -294,24 +308,35 @@ def _tree_size(root: Path, max_entries: int) -> int | None:
 
 
 class _DiskWatch:
-    """Whether a run has added more than `mb` MiB to the disk its directory is on, since it started: the file
-    system's free space, read in O(1) between reads of the output (so another writer to the same disk counts
-    too; the limit is a guard for the host's disk, set well above what a task writes)."""
+    """Whether a run has added more than `mb` MiB to the disk, since it started. The file system's free space
+    (f_bfree: a run as root may write into the reserve f_bavail leaves out), read in O(1) between reads of the
+    output, says when to look; under bubblewrap, where the task directory is all the disk a run can write, the
+    directory's growth (walked at most twice a second) then decides, so another writer to the same disk (a
+    checkpoint being saved) stops no run. Without bubblewrap the free space alone decides."""
 
-    def __init__(self, path: Path, mb: int) -> None:
-        self.path, self.budget = path, mb << 20
-        self.free = self._free()
+    def __init__(self, path: Path, limits: Limits, held: int, exact: bool) -> None:
+        self.path, self.budget, self.held, self.exact = path, limits.disk_mb << 20, held, exact
+        self.max_entries = 10 * limits.disk_files   # (a run that makes a million files is stopped too)
+        self.free, self.walked, self.grown = self._free(), 0.0, False
 
     def _free(self) -> int | None:
         try:
             st = os.statvfs(self.path)
         except OSError:
             return None
-        return st.f_bavail * st.f_frsize
+        return st.f_bfree * st.f_frsize
 
     def over(self) -> bool:
         now = self._free()
-        return self.free is not None and now is not None and self.free - now > self.budget
+        if self.free is None or now is None or self.free - now <= self.budget:
+            return self.grown
+        if not self.exact:
+            return True
+        if time.monotonic() - self.walked >= 0.5:
+            self.walked = time.monotonic()
+            size = _tree_size(self.path, self.max_entries)
+            self.grown = size is None or size - self.held > self.budget
+        return self.grown
 
 
 def _read_until(proc: subprocess.Popen, streams: dict, deadline: float, stop: Callable[[], bool] | None = None) -> bool:
@@ -355,7 +380,10 @@ def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdi
     env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"}
     argv = [sys.executable, "-E", "-s", "-B", *args]
     if isolation() == "bubblewrap":
-        argv = [*_bwrap_argv(cwd, limits), *argv]
+        sized = _bwrap_mode()[0] == "sized"
+        argv = [*_bwrap_argv(cwd, limits, sized), *argv]
+        if not sized:   # (its /tmp is read-only)
+            env["TMPDIR"] = str(cwd)
     group = _Cgroup(limits) if cgroups() else None
 
     def setup() -> None:   # in the child, between fork and exec
@@ -383,14 +411,14 @@ def run_python(args: list[str], cwd: str | Path, limits: Limits = Limits(), stdi
                         pass
             streams = {proc.stdout: out, proc.stderr: err}
             deadline = time.monotonic() + limits.timeout_s
-            disk = _DiskWatch(cwd, limits.disk_mb)
+            disk = _DiskWatch(cwd, limits, held, exact=isolation() == "bubblewrap")
             stopped = not _read_until(proc, streams, deadline, disk.over)
             while not stopped and proc.poll() is None:   # the pipes closed: the program may still run (it closed
                 stopped = time.monotonic() >= deadline or disk.over()   # its output)
                 time.sleep(0.02)
             if stopped:
                 _kill_group(proc.pid)
-                if disk.over():
+                if time.monotonic() < deadline:   # (stopped before its time: by the disk)
                     note = f"stopped: the run wrote more than {limits.disk_mb} MiB to disk"
             if group is not None:   # what is left in the run's groups (e.g. a daemon in a session of its own)
                 group.kill()
@@ -487,6 +515,9 @@ with open(_out, "w", encoding="utf-8", errors="backslashreplace") as _f:
 """
 
 NOT_A_VALUE = object()   # what `values_of` gives for an expression that raised or whose value was not plain
+# What `values_of` parses of a program's values (ast.literal_eval of a 3.8 MiB list took 1.9 GB: the program
+# writes this file, so it is read only this far): the tests' values are short strings and numbers.
+MAX_VALUES_BYTES, MAX_VALUE_CHARS = 1 << 20, 1 << 16
 
 
 def values_of(setup: str, expressions: Sequence[str], cwd: str | Path, limits: Limits = Limits()) -> list[Any] | None:
@@ -509,7 +540,9 @@ def values_of(setup: str, expressions: Sequence[str], cwd: str | Path, limits: L
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
-            raw = f.read(limits.file_mb << 20)
+            raw = f.read(MAX_VALUES_BYTES + 1)
+            if len(raw) > MAX_VALUES_BYTES:
+                return None
     finally:
         remove_tree(Path(d))
     lines = raw.decode("utf-8", "replace").split("\n")
@@ -517,8 +550,11 @@ def values_of(setup: str, expressions: Sequence[str], cwd: str | Path, limits: L
         return None
     values: list[Any] = []
     for line in lines:
+        if len(line) > MAX_VALUE_CHARS or line.startswith("<"):
+            values.append(NOT_A_VALUE)
+            continue
         try:
-            values.append(ast.literal_eval(line) if not line.startswith("<") else NOT_A_VALUE)
+            values.append(ast.literal_eval(line))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             values.append(NOT_A_VALUE)
     return values

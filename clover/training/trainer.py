@@ -408,7 +408,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
                              + "); only --steps and --compile may change")
         if state["step"] > cfg.steps:
             raise ValueError(f"the run in {out} is at step {state['step']}, past --steps {cfg.steps}")
-        if state["step"] == cfg.steps and (out / "model").is_dir():   # finished: nothing to train or rewrite
+        if state["step"] == cfg.steps and _model_after(out / "model", ckpt):   # finished: nothing to do
             if d.main:
                 print(f"the run in {out} finished at step {cfg.steps} (its model: {out / 'model'}); nothing to "
                       "do: pass a larger --steps to train on", file=sys.stderr)
@@ -506,7 +506,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     if d.main:
         final = out / "model"
         save_checkpoint(model, final, extra_files=tokenizer.files())
-    return record
+    return record or _last_record(out / "log.jsonl", "train")   # (resumed at its last step: the model written)
 
 
 def _save(model: CloverForCausalLM, optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int, ckpt: Path,
@@ -546,6 +546,15 @@ def _read_state(path: Path) -> dict:
 def _append_log(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _model_after(model: Path, ckpt: Path) -> bool:
+    """Whether the run's model was written after its checkpoint, as a finished run's is (a model from before
+    the checkpoint is an older finish of a run extended since, with --steps raised, and killed before its end)."""
+    try:
+        return (model / "config.json").stat().st_mtime_ns >= (ckpt / "trainer_state.pt").stat().st_mtime_ns
+    except OSError:
+        return False
 
 
 def _last_record(path: Path, kind: str) -> dict:
