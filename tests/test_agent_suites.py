@@ -281,3 +281,16 @@ def test_the_visible_label_test_shows_the_padding_the_hidden_ones_expect():
             padded += 1
             assert label != eval(fmt.replace(":03d", "").replace(":04d", ""), {"name": name, "n": int(n)})
     assert padded > 50
+
+
+def test_a_program_run_near_the_end_of_the_task_gets_only_the_time_left():
+    """One tool call could overrun the task's time by its own limit (20 s): the harness now gives the
+    environment the task's deadline, and a program it runs is stopped there."""
+    env = S.suite_tasks("coding", 1)[0].open()
+    try:
+        env.set_deadline(time.perf_counter() + 1.0)
+        t0 = time.perf_counter()
+        out = env.call("run", {"command": "python -c 'import time; time.sleep(15)'"})
+        assert out.startswith("timed out") and time.perf_counter() - t0 < 5
+    finally:
+        env.close()

@@ -472,6 +472,13 @@ def test_the_task_time_is_checked_before_each_tool_call_of_a_reply():
         ep = harness.Endpoint(url + "/v1", "m")
         r = harness.run_task(client, harness.HarnessConfig([ep], task_timeout_s=1.0), ep, task, {})
     assert r["reason"] == "timeout" and 1 <= len(ran) <= 2 and r["total_s"] < 2.5, (r["reason"], ran, r["total_s"])
+    # an environment that takes the task's deadline is given it (the coding suite's programs end there)
+    deadlines = []
+    Env.set_deadline = lambda self, t: deadlines.append(t - time.perf_counter())
+    with serve_in_thread(_scripted_reply_app({"mode": "many", "bodies": []})) as url, httpx.Client() as client:
+        ep = harness.Endpoint(url + "/v1", "m")
+        harness.run_task(client, harness.HarnessConfig([ep], task_timeout_s=1.0), ep, _probe_task(Env), {})
+    assert len(deadlines) == 1 and 0.5 < deadlines[0] <= 1.0
 
 
 def test_a_tool_result_with_a_name_that_is_not_utf8_reaches_the_model_escaped():

@@ -107,6 +107,8 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
     steps: list[dict] = []
     valid_args = total_args = malformed = 0
     t_start = time.perf_counter()
+    if hasattr(env, "set_deadline"):   # (an environment whose tools run programs ends them with the task's time)
+        env.set_deadline(t_start + cfg.task_timeout_s)
     reason, answer, check_s = "step_limit", None, 0.0
     for step in range(cfg.step_limit):
         if time.perf_counter() - t_start > cfg.task_timeout_s:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import random
 import re
 import tempfile
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -194,10 +195,22 @@ class SandboxRepo:
 
     def __init__(self, repo: Repo, limits: Limits) -> None:
         self.repo, self.limits = repo, limits
+        self.deadline: float | None = None   # time.perf_counter() at which the task's time ends
         self.root = Path(tempfile.mkdtemp(prefix="clover-task-")).resolve()
         for path, text in repo.files.items():
             (self.root / path).parent.mkdir(parents=True, exist_ok=True)
             (self.root / path).write_text(text)
+
+    def set_deadline(self, deadline: float) -> None:
+        """The task's end: a program the agent runs is given at most the time left (one run started just before
+        the end overran it by its own limit, 20 s)."""
+        self.deadline = deadline
+
+    def _run_limits(self) -> Limits:
+        if self.deadline is None:
+            return self.limits
+        left = max(0.5, self.deadline - time.perf_counter())
+        return replace(self.limits, timeout_s=min(self.limits.timeout_s, left))
 
     def _path(self, path: str) -> Path:
         p = (self.root / str(path)).resolve()
@@ -235,9 +248,9 @@ class SandboxRepo:
                 p.write_text(text.replace(old, str(args["new"])))
                 return "ok"
             if name == "run_tests":
-                return run_command(TEST_COMMAND, self.root, self.limits).text()
+                return run_command(TEST_COMMAND, self.root, self._run_limits()).text()
             if name == "run":
-                return run_command(str(args["command"]), self.root, self.limits).text()
+                return run_command(str(args["command"]), self.root, self._run_limits()).text()
         except KeyError as exc:
             return f"error: missing argument {exc}"
         except (ValueError, OSError) as exc:
