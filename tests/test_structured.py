@@ -577,12 +577,18 @@ def test_a_grammar_prepared_on_another_thread_is_not_compiled_again_at_admission
     engine = Engine(model, tok)
     constraint = Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
     with ThreadPoolExecutor(1) as pool:
-        pool.submit(engine.prepare_grammar, constraint).result()
+        state = pool.submit(engine.prepare_grammar, constraint).result()
     calls = []
     real = structured._compiled
     monkeypatch.setattr(structured, "_compiled", lambda fn, *a: calls.append(fn) or real(fn, *a))
     engine.add_request(tok.encode("x"), SamplingParams(max_new_tokens=8, algorithm="ar", constraint=constraint))
     assert calls == []                                           # built once, on the other thread
+    # the prepared state itself is taken, so nothing is built even where the kept matchers let it go meanwhile
+    # (a burst of large schemas past their budget)
+    engine._grammar_compiler()._built.clear()
+    params = SamplingParams(max_new_tokens=8, algorithm="ar", constraint=constraint)
+    engine.add_request(tok.encode("x"), params, grammar=state)
+    assert calls == [] and engine.waiting[-1].matcher is state[0]
     with pytest.raises(GrammarError):
         engine.prepare_grammar(Constraint("regex", "(unclosed"))
 

@@ -36,7 +36,7 @@ from clover.engine.sampling import (
     token_logprobs,
 )
 from clover.engine.sequence import Event, GenerationResult, GenerationStats, SequenceState, StepRecord
-from clover.engine.structured import Constraint, GrammarCompiler, GrammarError
+from clover.engine.structured import Constraint, GrammarCompiler, GrammarError, GrammarState
 from clover.model.cache import PrefixCache
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CheckTrail, CloverForCausalLM
@@ -84,9 +84,11 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+        grammar: GrammarState | None = None,
     ) -> str:
-        """Queue a request; it joins the batch at the next step. Raises ValueError for bad input."""
+        """Queue a request; it joins the batch at the next step. Raises ValueError for bad input. `grammar`: the
+        state `prepare_grammar` made for `params.constraint` (else it is made here)."""
         params = params or SamplingParams()
         params.validate(self.config.vocab_size)
         if params.algorithm not in self.policies:
@@ -108,7 +110,7 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("structured output needs a tokenizer")
             # GrammarError (a ValueError) if it does not compile
-            matcher, pending = self._grammar_compiler().start(params.constraint)
+            matcher, pending = grammar if grammar is not None else self._grammar_compiler().start(params.constraint)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_BOUND)
         if self.cache is None:   # idle (no cache held): the model may have moved since the last request
             self.device = self.model.device
@@ -127,13 +129,14 @@ class Engine:
                 self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
             return self._grammars
 
-    def prepare_grammar(self, constraint: Constraint) -> None:
-        """Compile a constraint's grammar now, on the caller's thread (any thread: the server's workers), so
-        that `add_request` finds it built (the last 64 are kept) rather than compiling it on the engine's
-        thread while the batch waits. GrammarError (a ValueError) if it does not compile."""
+    def prepare_grammar(self, constraint: Constraint) -> GrammarState:
+        """Compile a constraint's grammar now, on the caller's thread (any thread: the server's workers), and
+        return a request's state in it, for `add_request(..., grammar=)`: the engine's thread then compiles
+        nothing while the batch waits, even where the kept matchers let this one go meanwhile (a burst of large
+        schemas). GrammarError (a ValueError) if it does not compile."""
         if self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer")
-        self._grammar_compiler().build(constraint)
+        return self._grammar_compiler().start(constraint)
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt as ints; InvalidParameter("prompt") when it is empty, leaves the vocabulary or holds the

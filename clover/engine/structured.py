@@ -244,7 +244,7 @@ class GrammarCompiler:
     def matcher(self, constraint: Constraint) -> Matcher:
         return Matcher(self.build(constraint).deep_copy(), self.vocab_size, self.eos_ids)
 
-    def start(self, constraint: Constraint) -> tuple[Matcher | None, Pending | None]:
+    def start(self, constraint: Constraint) -> GrammarState:
         """A sequence's grammar state: (a matcher, None), or for a lazy grammar (None, its `Pending`),
         compiled now either way so that a bad grammar fails at admission."""
         m = self.matcher(constraint)
@@ -436,3 +436,6 @@ def auto_tool_calls(tools: list[dict], tokenizer: Tokenizer, thinking: bool, par
         log.warning("tool calls not held to their schemas: %s", problem)
         return None
     return held
+
+
+GrammarState = tuple[Matcher | None, Pending | None]   # a sequence's: (a matcher, None), or (None, a lazy one)

@@ -17,7 +17,7 @@ import torch
 
 from clover.engine.engine import Engine, Event, GenerationResult
 from clover.engine.sampling import InvalidParameter, SamplingParams
-from clover.engine.structured import GrammarError
+from clover.engine.structured import GrammarError, GrammarState
 
 
 class QueueFull(RuntimeError):
@@ -71,7 +71,7 @@ class AsyncEngine:
         self.observers: list[Observer] = []      # told about every finished request (the server's metrics)
         self._records: dict[str, RequestRecord] = {}
         self._lock = threading.Lock()
-        self._submit: list[tuple[str, list[int], SamplingParams]] = []
+        self._submit: list[tuple[str, list[int], SamplingParams, GrammarState | None]] = []
         self._abort: list[str] = []
         self._calls: list[tuple[Callable[[Engine], Any], asyncio.Future]] = []
         self._streams: dict[str, _Stream] = {}
@@ -136,11 +136,12 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[Event]:
         """Events of one request; leaving the iteration early (a disconnected client) aborts it."""
+        grammar = None
         if params.constraint is not None:   # its grammar compiled here, not on the engine thread (the batch
             with self._lock:                # would wait for it), once the request would be let in
                 self._let_in()
             try:
-                await asyncio.to_thread(self.engine.prepare_grammar, params.constraint)
+                grammar = await asyncio.to_thread(self.engine.prepare_grammar, params.constraint)
             except GrammarError as exc:   # (one that matches no text: found only by building it)
                 if params.constraint.origin is None:
                     raise
@@ -151,7 +152,7 @@ class AsyncEngine:
             self._let_in()
             self._streams[rid] = stream
             self._records[rid] = RequestRecord(submitted=time.perf_counter())
-            self._submit.append((rid, list(prompt_ids), params))
+            self._submit.append((rid, list(prompt_ids), params, grammar))
             self.stats.requests += 1
         self._wake.set()
         try:
@@ -251,13 +252,13 @@ class AsyncEngine:
             self._records.pop(rid, None)
             with self._lock:
                 self._streams.pop(rid, None)
-        for rid, ids, params in submit:
+        for rid, ids, params, grammar in submit:
             with self._lock:
                 live = rid in self._streams
             if not live:
                 continue  # aborted before it started
             try:
-                self.engine.add_request(ids, params, request_id=rid)
+                self.engine.add_request(ids, params, request_id=rid, grammar=grammar)
             except ValueError as exc:
                 self._records.pop(rid, None)
                 self._deliver(rid, exc)
