@@ -385,7 +385,7 @@ def test_operating_system_errors_read_as_path_and_reason():
      "argument --max-new-tokens: must be a positive integer, got 0"),
     (["chat", "--model", "MODEL", "--temperature", "5"], "argument --temperature: must be between 0 and 2, got 5.0"),
     (["generate", "hi", "--model", "MODEL", "--max-accept", "0"], "argument --max-accept: must be a positive integer"),
-    (["generate", "hi", "--model", "MODEL", "--stop", ""], "argument --stop: must be a list of non-empty strings"),
+    (["generate", "hi", "--model", "MODEL", "--stop", ""], "argument --stop: must be a string or a list of non-empty strings"),
     (["generate", "hi", "--model", "MODEL", "--block-size", "0"], "argument --block-size"),
     # found by a hostile pass (session 51): `--api-key "$KEY"` with KEY unset served with no key at all
     (["serve", "--model", "MODEL", "--api-key", ""], "argument --api-key: is empty (an unset variable?)"),
