@@ -374,6 +374,21 @@ def test_the_success_standard_error_takes_the_task_as_its_unit():
     assert harness._quality(mixed)["success_stderr"] == pytest.approx(math.sqrt(((1 - 2 / 3) ** 2 + (1 / 3 - 2 / 3) ** 2) / 1) / math.sqrt(2))
 
 
+def _probe_env(call=lambda name, args: "ok", check=lambda answer: "42" in answer) -> type:
+    """An environment class whose tool calls and check are `call` and `check`."""
+    class Env:
+        def call(self, name, args):
+            return call(name, args)
+
+        def check(self, answer):
+            return check(answer)
+
+        def close(self):
+            pass
+
+    return Env
+
+
 def _probe_task(env: type) -> object:
     """A one-question task offering one tool `t` (no parameters), in environment `env`."""
     tool = {"type": "function", "function": {"name": "t", "description": "", "parameters": {"type": "object",
@@ -423,17 +438,7 @@ def test_time_limits_hold_for_the_whole_task_and_request_and_tool_call_ids_match
     """Found by a hostile pass: the task's time was checked only before each step (an answer after 1.5 s of a
     0.5 s task counted as a success), httpx's timeout bounds each read only (a reply trickling over 3.2 s went on
     past a 2 s request limit), and a call without an id got one in the assistant message and "" in the tool's."""
-    class Env:
-        def call(self, name, args):
-            return "ok"
-
-        def check(self, answer):
-            return "42" in answer
-
-        def close(self):
-            pass
-
-    task = _probe_task(Env)
+    task = _probe_task(_probe_env())
     state = {"mode": "slow", "bodies": []}
     with serve_in_thread(_scripted_reply_app(state)) as url, httpx.Client() as client:
         ep = harness.Endpoint(url + "/v1", "m")
@@ -454,18 +459,7 @@ def test_the_task_time_is_checked_before_each_tool_call_of_a_reply():
     many slow tool calls ran them all past it. Five calls of 0.6 s under a 1 s task: one or two run, then a timeout."""
     ran = []
 
-    class Env:
-        def call(self, name, args):
-            ran.append(name)
-            time.sleep(0.6)
-            return "ok"
-
-        def check(self, answer):
-            return False
-
-        def close(self):
-            pass
-
+    Env = _probe_env(call=lambda name, args: (ran.append(name), time.sleep(0.6), "ok")[-1], check=lambda answer: False)
     task = _probe_task(Env)
     state = {"mode": "many", "bodies": []}
     with serve_in_thread(_scripted_reply_app(state)) as url, httpx.Client() as client:
@@ -485,17 +479,7 @@ def test_a_tool_result_with_a_name_that_is_not_utf8_reaches_the_model_escaped():
     """Found by a review (session 54): list_files gives a file name holding a byte that is not UTF-8 as a lone
     surrogate ("bad\\udcff.py"), and the next request could not encode it: the evaluation ended. The harness now
     sends tool results with such characters escaped."""
-    class Env:
-        def call(self, name, args):
-            return os.fsdecode(b"bad\xff.py")
-
-        def check(self, answer):
-            return "42" in answer
-
-        def close(self):
-            pass
-
-    task = _probe_task(Env)
+    task = _probe_task(_probe_env(call=lambda name, args: os.fsdecode(b"bad\xff.py")))
     state = {"mode": "noid", "bodies": []}
     with serve_in_thread(_scripted_reply_app(state)) as url, httpx.Client() as client:
         ep = harness.Endpoint(url + "/v1", "m")
