@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from clover.cli.commands import main as cli_main
 from clover.evaluation import harness
 from clover.evaluation import suites as agent_suites
+from clover.evaluation.client import InfraError, stream_chat
 from clover.serving.local import serve_in_thread
 from clover.training import synthetic
 
@@ -504,3 +505,43 @@ def test_bench_at_a_rate_waits_between_requests_only(monkeypatch):
     monkeypatch.setattr(bench, "_one", lambda *a: "record")
     out = bench.run_bench("http://x/v1", "m", ["a", "b", "c"], 4, None, 2.0, 0, None, {}, 0)
     assert out["records"] == ["record"] * 3 and len(slept) == 2
+
+
+def _mock_client(body: bytes, status: int = 200, kind: str = "text/event-stream") -> httpx.Client:
+    """A client whose every request is answered HTTP `status` with `body` of content type `kind`."""
+    return httpx.Client(transport=httpx.MockTransport(
+        lambda request: httpx.Response(status, content=body, headers={"content-type": kind})))
+
+
+ANSWER = b'data: {"choices": [{"index": 0, "delta": {"content": "42"}}]}\n\n'
+
+
+@pytest.mark.parametrize("events", [
+    b"data: 5\n\n", b"data: null\n\n", b'data: {"choices": null}\n\n', b'data: {"choices": [{"delta": null}]}\n\n',
+    b'data: {"choices": [{"delta": {"content": 5}}]}\n\n', b'data: {"x": ' + b"1" * 5000 + b"}\n\n",
+    b"data: " + b"[" * 100_000 + b"\n\n", b'data: {"usage": 5}\n\n', b'data: {"usage": {"completion_tokens": "5"}}\n\n',
+    b'data: {"choices": [{"delta": {"tool_calls": [{"index": "0"}]}}]}\n\n',
+    b'data: {"choices": [{"delta": {"tool_calls": [{"function": {"arguments": {}}}]}}]}\n\n', b"data: {oops\n\n",
+])
+def test_an_event_that_is_not_of_the_openai_shape_is_an_infrastructure_error(events):
+    """Found by a hostile review: such events raised TypeError, AttributeError, ValueError or RecursionError out of
+    the client, and `clover eval agent` ended in a traceback with no report."""
+    with _mock_client(events + b"data: [DONE]\n\n") as client, pytest.raises(InfraError, match="the stream sent"):
+        stream_chat(client, "http://x/v1", {})
+
+
+def test_a_stream_must_be_a_stream_and_end():
+    """Found by a hostile review: a stream cut off before its end (no finish_reason, no [DONE]) and a 200 that is
+    not a stream were scored as the model's (empty or partial) answer; `data:` with no space after the colon (which
+    SSE allows) was skipped."""
+    with _mock_client(ANSWER) as client, pytest.raises(InfraError, match="without a finish_reason or"):
+        stream_chat(client, "http://x/v1", {})
+    whole = json.dumps({"choices": [{"message": {"content": "42"}, "finish_reason": "stop"}]}).encode()
+    with _mock_client(whole, kind="application/json") as client, \
+            pytest.raises(InfraError, match="HTTP 200 with application/json, not a stream of events"):
+        stream_chat(client, "http://x/v1", {})
+    with _mock_client(ANSWER.replace(b"data: ", b"data:") + b"data:[DONE]\n\n") as client:
+        assert stream_chat(client, "http://x/v1", {}).content == "42"
+    finished = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n'
+    with _mock_client(ANSWER + finished) as client:   # (a finish_reason without [DONE] is an end)
+        assert stream_chat(client, "http://x/v1", {}).finish_reason == "stop"

@@ -41,6 +41,10 @@ class StreamedReply:
     chunk_chars: list[int] = field(default_factory=list)    # its characters
 
 
+# the token counts of `usage` the callers read (integers, or null when the server does not count them)
+USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens", "nfe")
+
+
 def list_models(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> tuple[int, list[str] | None]:
     """GET `base_url`/models: (the HTTP status, the model ids it lists or None). Any answer says the endpoint
     can be reached (a server may list nothing, answer 501, 429, or refuse a key that may still chat);
@@ -63,16 +67,60 @@ def one_line(text: str, limit: int = 200) -> str:
     return " ".join(text.split())[:limit]
 
 
+def _is_text(x: Any) -> bool:
+    return x is None or isinstance(x, str)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_call(tc: Any) -> bool:
+    """A streamed tool call's piece: an integer index, an id, a function's name and arguments (each may be left out)."""
+    if not isinstance(tc, dict):
+        return False
+    fn = tc.get("function") or {}
+    return (_is_int(tc.get("index", 0)) and _is_text(tc.get("id")) and isinstance(fn, dict)
+            and _is_text(fn.get("name")) and _is_text(fn.get("arguments")))
+
+
+def _shape_problem(data: Any) -> str | None:
+    """What is wrong with `data`, one parsed event of a chat completion stream, against the shape of OpenAI's
+    (None: nothing). Only the fields the client reads are checked; others may be anything."""
+    if not isinstance(data, dict):
+        return "is not a JSON object"
+    usage = data.get("usage")
+    if usage is not None and not (isinstance(usage, dict) and all(usage.get(k) is None or _is_int(usage[k])
+                                                                  for k in USAGE_COUNTS)):
+        return "has a usage that is not an object of token counts"
+    choices = data.get("choices", [])
+    if not isinstance(choices, list) or not all(isinstance(ch, dict) for ch in choices):
+        return "has choices that are not a list of objects"
+    for ch in choices:
+        delta = ch.get("delta", {})
+        if not isinstance(delta, dict) or not _is_text(ch.get("finish_reason")):
+            return "has a choice whose delta is not an object or whose finish_reason is not a string"
+        if not all(_is_text(delta.get(k)) for k in ("content", "reasoning_content", "reasoning")):
+            return "has a delta whose text is not a string"
+        calls = delta.get("tool_calls") or []
+        if not isinstance(calls, list) or not all(_is_call(tc) for tc in calls):
+            return "has tool_calls that are not a list of calls (an integer index, an id, a function's name and arguments)"
+    return None
+
+
 def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | None = None,
                 timeout_s: float = 600.0, deadline_s: float | None = None) -> StreamedReply:
     """POST `body` (with "stream": true) to `base_url`/chat/completions and read the whole stream. `timeout_s`
     bounds the whole request (InfraError past it; httpx's own timeout bounds each read only, so a reply that
-    kept streaming slowly ran on), `deadline_s` the caller's time left (OutOfTime past it)."""
+    kept streaming slowly ran on), `deadline_s` the caller's time left (OutOfTime past it). A stream that is
+    not one (another content type, an event that is not JSON or not of the OpenAI shape, no end) is the
+    server's fault: InfraError."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     out = StreamedReply()
     calls: dict[int, dict] = {}
     t0 = time.perf_counter()
     limit = timeout_s if deadline_s is None else min(timeout_s, max(deadline_s, 0.0))
+    ended = False   # [DONE] came
 
     def check_time() -> None:
         spent = time.perf_counter() - t0
@@ -81,47 +129,82 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
         if spent > timeout_s:
             raise InfraError(f"the request took over {timeout_s:.0f} s")
 
+    def take(line: str) -> None:
+        """One line of the stream: an event's data is added to `out`; comments, other fields and blank lines
+        (the separators of events) are skipped."""
+        nonlocal ended
+        if not line.startswith("data:"):
+            return
+        payload = line[5:].removeprefix(" ")   # (SSE: one space after the colon, if any, is not the data's)
+        if payload == "[DONE]":
+            ended = True
+            return
+        now = time.perf_counter() - t0
+        out.e2e_s = now
+        try:
+            data = json.loads(payload)
+        except (ValueError, RecursionError) as exc:   # (not JSON, an integer of 5000 digits, nesting too deep)
+            raise InfraError(f"the stream sent an event that is not JSON ({type(exc).__name__}: "
+                             f"{one_line(str(exc))}): {one_line(payload, 80)}") from None
+        if isinstance(data, dict) and "error" in data:
+            raise ModelError(one_line(str(data["error"])))
+        problem = _shape_problem(data)
+        if problem:
+            raise InfraError(f"the stream sent an event that {problem}: {one_line(payload, 80)}")
+        out.usage = data.get("usage") or out.usage
+        chars = 0
+        for ch in data.get("choices", []):
+            d = ch.get("delta", {})
+            thought = d.get("reasoning_content") or d.get("reasoning") or ""
+            out.content += d.get("content") or ""
+            out.reasoning += thought
+            chars += len(d.get("content") or "") + len(thought)
+            for tc in d.get("tool_calls") or []:
+                slot = calls.setdefault(tc.get("index", 0), {"id": tc.get("id"), "name": "", "arguments": ""})
+                fn = tc.get("function") or {}
+                slot["name"] += fn.get("name") or ""
+                slot["arguments"] += fn.get("arguments") or ""
+                chars += len(fn.get("arguments") or "")
+            out.finish_reason = ch.get("finish_reason") or out.finish_reason
+        if chars:
+            out.ttft_s = now if out.ttft_s is None else out.ttft_s
+            out.chunk_s.append(now)
+            out.chunk_chars.append(chars)
+
     try:
         with client.stream("POST", base_url.rstrip("/") + "/chat/completions", json=body, headers=headers,
                            timeout=max(limit, 1e-3)) as r:
             if r.status_code >= 500 or r.status_code == 429:
                 raise InfraError(f"HTTP {r.status_code}")
             if r.status_code != 200:
-                raise ModelError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}")
+                raise ModelError(f"HTTP {r.status_code}: {_body_start(r)}")
+            kind = r.headers.get("content-type", "")
+            if kind.split(";")[0].strip().lower() != "text/event-stream":
+                raise InfraError(f"the endpoint answered HTTP 200 with {kind or 'no content type'}, not a stream of "
+                                 f"events (text/event-stream): {_body_start(r, 80)}")
             for line in r.iter_lines():
                 check_time()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter() - t0
-                out.e2e_s = now
-                data = json.loads(line[6:])
-                if "error" in data:
-                    raise ModelError(str(data["error"])[:200])
-                out.usage = data.get("usage") or out.usage
-                chars = 0
-                for ch in data.get("choices", []):
-                    d = ch.get("delta", {})
-                    thought = d.get("reasoning_content") or d.get("reasoning") or ""
-                    out.content += d.get("content") or ""
-                    out.reasoning += thought
-                    chars += len(d.get("content") or "") + len(thought)
-                    for tc in d.get("tool_calls") or []:
-                        slot = calls.setdefault(tc.get("index", 0), {"id": tc.get("id"), "name": "", "arguments": ""})
-                        fn = tc.get("function") or {}
-                        slot["name"] += fn.get("name") or ""
-                        slot["arguments"] += fn.get("arguments") or ""
-                        chars += len(fn.get("arguments") or "")
-                    out.finish_reason = ch.get("finish_reason") or out.finish_reason
-                if chars:
-                    out.ttft_s = now if out.ttft_s is None else out.ttft_s
-                    out.chunk_s.append(now)
-                    out.chunk_chars.append(chars)
+                take(line)
+                if ended:
+                    break
     except httpx.TimeoutException as exc:
         if deadline_s is not None and time.perf_counter() - t0 >= deadline_s:   # the task's time ran out first
             raise OutOfTime(f"no reply within the task's time left ({deadline_s:.1f} s)") from exc
         raise InfraError(f"{type(exc).__name__}: {exc}") from exc
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except httpx.HTTPError as exc:
         raise InfraError(f"{type(exc).__name__}: {exc}") from exc
+    if not ended and out.finish_reason is None:   # (a reply cut short must not be scored as the model's answer)
+        raise InfraError("the stream ended without a finish_reason or [DONE]: the reply was cut off")
     out.tool_calls = [calls[k] for k in sorted(calls)]
     out.e2e_s = out.e2e_s or time.perf_counter() - t0
     return out
+
+
+def _body_start(response: httpx.Response, limit: int = 200) -> str:
+    """The start of `response`'s body on one line (an error page may be large, or never end)."""
+    data = b""
+    for chunk in response.iter_bytes():
+        data += chunk
+        if len(data) >= limit:
+            break
+    return one_line(data.decode(errors="replace"), limit)
