@@ -7,6 +7,8 @@ import json
 import math
 import os
 import shutil
+import socket
+import threading
 import time
 import types
 
@@ -16,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from clover.cli.commands import main as cli_main
+from clover.evaluation import client as client_module
 from clover.evaluation import harness
 from clover.evaluation import suites as agent_suites
 from clover.evaluation.client import InfraError, stream_chat
@@ -545,3 +548,55 @@ def test_a_stream_must_be_a_stream_and_end():
     finished = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n'
     with _mock_client(ANSWER + finished) as client:   # (a finish_reason without [DONE] is an end)
         assert stream_chat(client, "http://x/v1", {}).finish_reason == "stop"
+
+
+@contextlib.contextmanager
+def _raw_server(head: bytes, piece: bytes, every_s: float):
+    """A server on a loopback port that answers any request with `head`, then `piece` every `every_s` seconds until
+    the client goes; yields its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(head)
+            while not stop.is_set():
+                try:
+                    conn.sendall(piece)
+                except OSError:
+                    return
+                time.sleep(every_s)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
+
+
+def test_a_line_that_never_ends_is_cut_at_the_deadline_and_lines_and_replies_are_capped(monkeypatch):
+    """Found by a hostile review: a server sending bytes with no line end held the client past every deadline (the
+    time was checked between lines only), and a line or reply of any size was held in memory."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\ndata: "
+    got = []
+    with _raw_server(head, b"x" * 1000, 0.2) as url, httpx.Client() as client:
+        def read():
+            try:
+                stream_chat(client, url, {}, timeout_s=1.0, deadline_s=3.0)
+            except Exception as exc:
+                got.append(exc)
+        reader = threading.Thread(target=read, daemon=True)   # (the old client never returned: not to hang the test)
+        reader.start()
+        reader.join(2.0)
+    assert len(got) == 1 and isinstance(got[0], InfraError) and "took over 1 s" in str(got[0]), got
+    with _mock_client(b"data: " + b"x" * (client_module.MAX_LINE_CHARS + 1)) as client, \
+            pytest.raises(InfraError, match="a line of over"):
+        stream_chat(client, "http://x/v1", {})
+    monkeypatch.setattr(client_module, "MAX_REPLY_CHARS", 100)
+    with _mock_client(ANSWER * 60) as client, pytest.raises(InfraError, match="the reply grew past 100 characters"):
+        stream_chat(client, "http://x/v1", {})

@@ -8,6 +8,7 @@ number of characters; E2E is request sent -> last event.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,12 @@ class StreamedReply:
     chunk_s: list[float] = field(default_factory=list)      # arrival of each chunk that carried text
     chunk_chars: list[int] = field(default_factory=list)    # its characters
 
+
+# what one reply may hold, in characters: a line of the stream (one event) and the reply's text (content,
+# reasoning, tool arguments); a server past them is broken (a well-formed event of 256 tokens is a few KB)
+MAX_LINE_CHARS = 1 << 20
+MAX_REPLY_CHARS = 4 << 20
+LINE_END = re.compile(r"\r\n|\r|\n")   # SSE's line ends (str.splitlines also splits at others, which JSON may hold)
 
 # the token counts of `usage` the callers read (integers, or null when the server does not count them)
 USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens", "nfe")
@@ -112,8 +119,9 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
                 timeout_s: float = 600.0, deadline_s: float | None = None) -> StreamedReply:
     """POST `body` (with "stream": true) to `base_url`/chat/completions and read the whole stream. `timeout_s`
     bounds the whole request (InfraError past it; httpx's own timeout bounds each read only, so a reply that
-    kept streaming slowly ran on), `deadline_s` the caller's time left (OutOfTime past it). A stream that is
-    not one (another content type, an event that is not JSON or not of the OpenAI shape, no end) is the
+    kept streaming slowly ran on), `deadline_s` the caller's time left (OutOfTime past it); both are checked as
+    each piece of the stream arrives. A stream that is not one (another content type, an event that is not JSON
+    or not of the OpenAI shape, a line or a reply over MAX_LINE_CHARS or MAX_REPLY_CHARS, no end) is the
     server's fault: InfraError."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     out = StreamedReply()
@@ -121,6 +129,7 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
     t0 = time.perf_counter()
     limit = timeout_s if deadline_s is None else min(timeout_s, max(deadline_s, 0.0))
     ended = False   # [DONE] came
+    size = 0        # the reply's characters so far
 
     def check_time() -> None:
         spent = time.perf_counter() - t0
@@ -132,7 +141,7 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
     def take(line: str) -> None:
         """One line of the stream: an event's data is added to `out`; comments, other fields and blank lines
         (the separators of events) are skipped."""
-        nonlocal ended
+        nonlocal ended, size
         if not line.startswith("data:"):
             return
         payload = line[5:].removeprefix(" ")   # (SSE: one space after the colon, if any, is not the data's)
@@ -166,6 +175,9 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
                 slot["arguments"] += fn.get("arguments") or ""
                 chars += len(fn.get("arguments") or "")
             out.finish_reason = ch.get("finish_reason") or out.finish_reason
+        size += chars
+        if size > MAX_REPLY_CHARS:
+            raise InfraError(f"the reply grew past {MAX_REPLY_CHARS} characters (does the server keep to max_tokens?)")
         if chars:
             out.ttft_s = now if out.ttft_s is None else out.ttft_s
             out.chunk_s.append(now)
@@ -182,11 +194,25 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
             if kind.split(";")[0].strip().lower() != "text/event-stream":
                 raise InfraError(f"the endpoint answered HTTP 200 with {kind or 'no content type'}, not a stream of "
                                  f"events (text/event-stream): {_body_start(r, 80)}")
-            for line in r.iter_lines():
+            # read as it comes, not line by line: a line that never ends would hold the reader past every deadline
+            pieces: list[str] = []   # the line read so far
+            held = 0
+            for text in r.iter_text():
                 check_time()
-                take(line)
+                *whole, rest = LINE_END.split(text)
+                for part in whole:
+                    take("".join(pieces) + part)
+                    pieces, held = [], 0
+                    if ended:
+                        break
                 if ended:
                     break
+                pieces.append(rest)
+                held += len(rest)
+                if held > MAX_LINE_CHARS:
+                    raise InfraError(f"the stream sent a line of over {MAX_LINE_CHARS} characters")
+            else:
+                take("".join(pieces))   # (a last line without its line end)
     except httpx.TimeoutException as exc:
         if deadline_s is not None and time.perf_counter() - t0 >= deadline_s:   # the task's time ran out first
             raise OutOfTime(f"no reply within the task's time left ({deadline_s:.1f} s)") from exc
