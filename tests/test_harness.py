@@ -216,8 +216,9 @@ def test_an_endpoint_that_cannot_be_reached_fails_before_any_task(tmp_path, monk
     with serve_in_thread(app) as url:
         cfg = _cfg(url + "/v1", suites=("tools",), infra_retries=2, infra_backoff_s=1.0)
         cfg.tasks_per_suite, cfg.runs, cfg.conditions = 1, 1, [{}]
-        summary = harness.run_harness(cfg, tmp_path / "ok")   # (it serves no chat: the one task run is a model error)
-        assert summary["default"]["reasons"]["model_error"] == 1 and waits == []
+        with pytest.raises(ValueError, match=r"refused a chat request \(HTTP 404"):   # (it serves no chat)
+            harness.run_harness(cfg, tmp_path / "ok")
+        assert waits == []
     with pytest.raises(ValueError, match=f"endpoint m: cannot reach {url}/v1/models"):
         harness.run_harness(cfg, tmp_path / "dead")
     assert waits == [1.0, 2.0] and not (tmp_path / "dead").exists()   # the task runs' retries, then the error
@@ -600,3 +601,51 @@ def test_a_line_that_never_ends_is_cut_at_the_deadline_and_lines_and_replies_are
     monkeypatch.setattr(client_module, "MAX_REPLY_CHARS", 100)
     with _mock_client(ANSWER * 60) as client, pytest.raises(InfraError, match="the reply grew past 100 characters"):
         stream_chat(client, "http://x/v1", {})
+
+
+@pytest.mark.parametrize("error,fault", [
+    ({"message": "internal error: CUDA OOM", "type": "server_error"}, InfraError),
+    ({"message": "queue full", "type": "rate_limit_error", "code": "queue_full"}, InfraError),
+    ({"message": "busy", "type": "x", "code": 503}, InfraError), ({"message": "busy", "code": "429"}, InfraError),
+    ({"message": "too long", "type": "invalid_request_error", "code": None}, client_module.ModelError),
+    ("bad request", client_module.ModelError),
+])
+def test_an_error_event_of_the_servers_own_failure_is_an_infrastructure_error(error, fault):
+    """Found by a hostile review: an error event sent after the status line (the server ran out of memory, its queue
+    was full) was counted as the model's failure, never retried."""
+    events = ANSWER + f"data: {json.dumps({'error': error})}\n\n".encode()
+    with _mock_client(events) as client, pytest.raises(fault, match="error event") as got:
+        stream_chat(client, "http://x/v1", {})
+    assert type(got.value) is fault
+
+
+def test_a_refused_endpoint_or_model_fails_the_command_before_a_report(tmp_path, capsys):
+    """Found by a hostile review: a wrong --model or key (HTTP 404 / 401 for every request) gave a report of 0%
+    model errors and exit status 0. Now a 401, 403 or 404 to a chat request ends the command at once, and a model
+    that /models does not list is refused before the first task run."""
+    app = FastAPI()
+    sent = []
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        sent.append(1)
+        return JSONResponse({"error": {"message": "invalid key", "type": "x"}}, 401)
+
+    with serve_in_thread(app) as url:
+        common = ["--suite", "tools", "--tasks", "3", "--runs", "1"]
+        assert cli_main(["eval", "agent", "--endpoint", url + "/v1", "--model", "n", *common,
+                         "--out", str(tmp_path / "n")]) == 1
+        assert "serves 'm', not 'n'; check --model" in capsys.readouterr().err and not sent
+        assert not (tmp_path / "n").exists()
+        assert cli_main(["eval", "agent", "--endpoint", url + "/v1", "--model", "m", *common,
+                         "--out", str(tmp_path / "m")]) == 1
+        err = capsys.readouterr().err
+        assert "endpoint m refused a chat request (HTTP 401: " in err and "invalid key" in err and len(sent) == 1
+        assert "Traceback" not in err and not (tmp_path / "m" / "report.md").exists()
+        from clover.evaluation import bench
+        with pytest.raises(ValueError, match="lists 'm', not 'n'; check --model"):
+            bench.served_model(url + "/v1", "n", None)

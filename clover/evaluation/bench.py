@@ -142,13 +142,16 @@ def summarise(records: list[RequestRecord], wall: float, ttft_limit: float | Non
 
 def served_model(endpoint: str, model: str | None, api_key: str | None) -> str:
     """`model`, or the first model id ENDPOINT/models lists; a clear error, before any request is timed, when
-    the endpoint cannot be reached or (without `model`) lists none."""
+    the endpoint cannot be reached, (without `model`) lists none or lists others than `model`."""
     try:
         status, models = list_models(endpoint, api_key)
     except InfraError as exc:
         raise ValueError(str(exc)) from None
     if model is None and not models:
         raise ValueError(f"{endpoint.rstrip('/')}/models listed no model (HTTP {status}); give --model")
+    if model is not None and models and model not in models:   # (every request would be refused)
+        raise ValueError(f"{endpoint.rstrip('/')}/models lists {', '.join(map(repr, models[:5]))}, not {model!r}; "
+                         "check --model")
     return model or models[0]
 
 

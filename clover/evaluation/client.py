@@ -18,11 +18,16 @@ import httpx
 
 class InfraError(RuntimeError):
     """The endpoint could not be reached or answered nonsense (not the model's fault): transport
-    errors, 5xx, 429 and unreadable events."""
+    errors, 5xx, 429, error events of the server's own failures and unreadable events."""
 
 
 class ModelError(RuntimeError):
     """The endpoint answered with an error status (or an error event) for a well-formed request."""
+
+
+class EndpointRefused(RuntimeError):
+    """The endpoint refused the request itself (HTTP 401, 403 or 404): a wrong key, model name or URL, which no
+    retry mends and which would fail every task run alike."""
 
 
 class OutOfTime(RuntimeError):
@@ -47,6 +52,10 @@ class StreamedReply:
 MAX_LINE_CHARS = 1 << 20
 MAX_REPLY_CHARS = 4 << 20
 LINE_END = re.compile(r"\r\n|\r|\n")   # SSE's line ends (str.splitlines also splits at others, which JSON may hold)
+
+# the types of error event that say the server failed (OpenAI's and Clover's, vLLM's, others'), not the request
+SERVER_ERROR_TYPES = frozenset({"server_error", "rate_limit_error", "internalservererror", "serviceunavailableerror",
+                                "overloaded_error"})
 
 # the token counts of `usage` the callers read (integers, or null when the server does not count them)
 USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens", "nfe")
@@ -80,6 +89,16 @@ def _is_text(x: Any) -> bool:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _server_fault(error: Any) -> bool:
+    """Whether an error event's error says the server failed (a type of SERVER_ERROR_TYPES, a code 5xx or 429)."""
+    if not isinstance(error, dict):
+        return False
+    code = error.get("code")
+    code = int(code) if isinstance(code, str) and code.isdigit() and len(code) == 3 else code
+    return (str(error.get("type")).lower() in SERVER_ERROR_TYPES
+            or (_is_int(code) and (500 <= code <= 599 or code == 429)))
 
 
 def _is_call(tc: Any) -> bool:
@@ -155,8 +174,9 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
         except (ValueError, RecursionError) as exc:   # (not JSON, an integer of 5000 digits, nesting too deep)
             raise InfraError(f"the stream sent an event that is not JSON ({type(exc).__name__}: "
                              f"{one_line(str(exc))}): {one_line(payload, 80)}") from None
-        if isinstance(data, dict) and "error" in data:
-            raise ModelError(one_line(str(data["error"])))
+        if isinstance(data, dict) and "error" in data:   # (a failure after the status line was sent)
+            fault = InfraError if _server_fault(data["error"]) else ModelError
+            raise fault(f"error event: {one_line(str(data['error']))}")
         problem = _shape_problem(data)
         if problem:
             raise InfraError(f"the stream sent an event that {problem}: {one_line(payload, 80)}")
@@ -188,6 +208,8 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
                            timeout=max(limit, 1e-3)) as r:
             if r.status_code >= 500 or r.status_code == 429:
                 raise InfraError(f"HTTP {r.status_code}")
+            if r.status_code in (401, 403, 404):
+                raise EndpointRefused(f"HTTP {r.status_code}: {_body_start(r)}")
             if r.status_code != 200:
                 raise ModelError(f"HTTP {r.status_code}: {_body_start(r)}")
             kind = r.headers.get("content-type", "")

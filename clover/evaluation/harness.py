@@ -26,7 +26,15 @@ from pathlib import Path
 
 import httpx
 
-from clover.evaluation.client import InfraError, ModelError, OutOfTime, StreamedReply, list_models, stream_chat
+from clover.evaluation.client import (
+    EndpointRefused,
+    InfraError,
+    ModelError,
+    OutOfTime,
+    StreamedReply,
+    list_models,
+    stream_chat,
+)
 from clover.evaluation.suites import Environment, HarnessTask, check_suite, suite_tasks
 from clover.model.files import json_lines, read_text, write_text_atomic
 
@@ -280,7 +288,11 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
                     for ht in tasks:
                         if (ht.id, cname, run) in done:
                             continue
-                        res = _attempt(client, cfg, endpoint, ht, condition)
+                        try:
+                            res = _attempt(client, cfg, endpoint, ht, condition)
+                        except EndpointRefused as exc:   # (every task run would be refused alike)
+                            raise ValueError(f"endpoint {endpoint.name} refused a chat request ({exc}); check "
+                                             "--endpoint, --model and --api-key") from None
                         res.update(task=ht.id, suite=ht.suite, condition=cname, endpoint=endpoint.name,
                                    params=condition, run=run, cold=cold[endpoint.name])
                         cold[endpoint.name] = False
@@ -298,16 +310,20 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
 
 
 def _check_reachable(cfg: HarnessConfig, endpoint: Endpoint) -> None:
-    """Fail before the first task run when an endpoint cannot be reached (with the task runs' retries): every
-    run would otherwise end as an infrastructure error, minutes later. Any HTTP answer to /models will do."""
+    """Fail before the first task run when an endpoint cannot be reached (with the task runs' retries) or lists
+    models without the one asked for: every run would otherwise fail, minutes later. Any HTTP answer to /models
+    will do otherwise."""
     for attempt in range(cfg.infra_retries + 1):
         try:
-            list_models(endpoint.url, endpoint.api_key, timeout_s=min(cfg.request_timeout_s, 30.0))
-            return
+            _, models = list_models(endpoint.url, endpoint.api_key, timeout_s=min(cfg.request_timeout_s, 30.0))
+            break
         except InfraError as exc:
             if attempt == cfg.infra_retries:
                 raise ValueError(f"endpoint {endpoint.name}: {exc}") from None
             time.sleep(min(cfg.infra_backoff_s * 2 ** attempt, 10))
+    if models and endpoint.model not in models:
+        raise ValueError(f"endpoint {endpoint.name} serves {', '.join(map(repr, models[:5]))}, not "
+                         f"{endpoint.model!r}; check --model")
 
 
 def _attempt(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht: HarnessTask, condition: dict) -> dict:
