@@ -3,6 +3,7 @@
 matches an uninterrupted one."""
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -364,7 +365,7 @@ def test_eval_agent_that_measured_nothing_exits_non_zero(endpoint, tmp_path, cap
     url, _ = endpoint("down")
     assert cli_main(["eval", "agent", "--endpoint", url, "--model", "m", "--suite", "synthetic",
                      "--tasks", "1", "--runs", "1", "--out", str(out)]) == 1
-    assert "infrastructure error" in capsys.readouterr().err and (out / "report.md").is_file()
+    assert "infrastructure or harness error" in capsys.readouterr().err and (out / "report.md").is_file()
 
 
 def test_the_success_standard_error_takes_the_task_as_its_unit():
@@ -649,3 +650,60 @@ def test_a_refused_endpoint_or_model_fails_the_command_before_a_report(tmp_path,
         from clover.evaluation import bench
         with pytest.raises(ValueError, match="lists 'm', not 'n'; check --model"):
             bench.served_model(url + "/v1", "n", None)
+
+
+def _question_app(replies):
+    """An endpoint answering each task by its question (the first message's content): `replies[question]` gives
+    the list of SSE lines to send, from the number of messages so far."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        messages = (await request.json())["messages"]
+        lines = replies[messages[0]["content"]](len(messages))
+        return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+    return app
+
+
+def _sse(delta=None, finish=None):
+    return f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta or {}, 'finish_reason': finish}]})}\n\n"
+
+
+def _call_then_answer(arguments="{}"):
+    """A tool call `t` with `arguments` first, then the answer 42."""
+    call = {"tool_calls": [{"index": 0, "id": "c0", "function": {"name": "t", "arguments": arguments}}]}
+    return lambda n: [_sse(call, "tool_calls") if n == 1 else _sse({"content": "42"}, "stop"), "data: [DONE]\n\n"]
+
+
+def test_one_task_runs_failure_is_its_own_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Found by a hostile review: a garbage event, a tool that raised (the calculator on 1e400 / 3) or deeply nested
+    tool arguments ended `clover eval agent` with a traceback and no report. Now garbage is an infrastructure error,
+    a tool's exception is the tool's error answer, bad arguments an invalid call, and anything else failing in a
+    task run (here the check) that run's harness_error, left out of quality like infrastructure errors."""
+    def boom(*args):
+        raise OverflowError("too large")
+
+    envs = {"garbage": _probe_env(), "tool": _probe_env(call=boom), "deep": _probe_env(),
+            "check": _probe_env(check=lambda answer: {}["x"])}
+    tasks = [dataclasses.replace(_probe_task(env), id=q, prompt=[{"role": "user", "content": q}])
+             for q, env in envs.items()]
+    monkeypatch.setattr(harness, "suite_tasks", lambda suite, count: tasks)
+    replies = {"garbage": lambda n: ["data: null\n\n"], "tool": _call_then_answer(),
+               "deep": _call_then_answer('{"a": ' + "[" * 100_000), "check": lambda n: [_sse({"content": "42"}, "stop")]}
+    with serve_in_thread(_question_app(replies)) as url:
+        cfg = _cfg(url + "/v1", suites=("tools",), infra_retries=0)
+        cfg.runs, cfg.conditions = 1, [{}]
+        summary = harness.run_harness(cfg, tmp_path / "run")["default"]
+    results = {r["task"]: r for r in map(json.loads, (tmp_path / "run" / "results.jsonl").read_text().splitlines())}
+    assert {t: r["reason"] for t, r in results.items()} == {"garbage": "infrastructure_error", "tool": "success",
+                                                            "deep": "invalid_tool_call", "check": "harness_error"}
+    assert "not a JSON object" in results["garbage"]["error"] and results["check"]["error"] == "KeyError: 'x'"
+    steps = json.loads((tmp_path / "run" / "tasks" / "check" / "default" / "run0.json").read_text())["steps"]
+    assert steps[0]["error"] == "KeyError: 'x'" and "Traceback" in steps[0]["traceback"]
+    tool = json.loads((tmp_path / "run" / "tasks" / "tool" / "default" / "run0.json").read_text())["transcript"]
+    assert tool[2] == {"role": "tool", "tool_call_id": "c0", "content": "error: OverflowError: too large"}
+    assert summary["quality_runs"] == 2 and summary["success_mean"] == 0.5 and summary["reasons"]["harness_error"] == 1
+    assert "harness_error |" in (tmp_path / "run" / "report.md").read_text()
+    assert synthetic.calculate("1" + "0" * 400 + "/3").startswith("error: ")   # (it raised OverflowError)
+    assert synthetic.calculate("9" * 400 + "*" + "9" * 4000).startswith("error: ")

@@ -57,9 +57,9 @@ def cmd_eval_agent(args: argparse.Namespace) -> int:
                       | {"total_s_median": s["total_s"]["median"]} for c, s in summary.items()}))
     print(f"report: {Path(args.out) / 'report.md'}", file=sys.stderr)
     unmeasured = [c for c, s in summary.items() if s["quality_runs"] == 0]
-    if unmeasured:   # every run of a condition failed to reach its endpoint: nothing was measured
-        print(f"clover eval agent: error: every task run of {', '.join(unmeasured)} was an infrastructure error "
-              f"(see {Path(args.out) / 'results.jsonl'}); nothing measured", file=sys.stderr)
+    if unmeasured:   # every run of a condition failed to reach its endpoint (or the harness failed): nothing measured
+        print(f"clover eval agent: error: every task run of {', '.join(unmeasured)} was an infrastructure or harness "
+              f"error (see {Path(args.out) / 'results.jsonl'}); nothing measured", file=sys.stderr)
         return 1
     return 0
 

@@ -5,10 +5,11 @@ retry policy for every model; several runs; cold and warm; sweeps; dispersion, n
 The suites (`tools`, `memory`, `coding`, `humaneval`) live in `clover.evaluation.suites`. Per step the
 loop records model time, TTFT (streamed), tokens, NFE, tool time and harness overhead; per task
 run: total time, steps, success, termination reason (success, wrong_answer, step_limit, timeout,
-invalid_tool_call, model_error, infrastructure_error), valid tool arguments and malformed calls.
+invalid_tool_call, model_error, infrastructure_error, harness_error), valid tool arguments and malformed calls.
 Several endpoints and several conditions (extra body fields: algorithm, block size, threshold)
 run side by side; the first request to each endpoint is labelled cold. Infrastructure failures are
-retried a bounded number of times, labelled, and left out of quality figures. A run directory holds
+retried a bounded number of times, labelled, and left out of quality figures, as are failures of the
+harness itself (a task run's own: the run goes on). A run directory holds
 metadata.json, one transcript per task run, results.jsonl, summary.json, report.md and PNG plots;
 `--resume` skips the task runs already in results.jsonl.
 """
@@ -21,6 +22,7 @@ import platform
 import statistics
 import subprocess
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +41,9 @@ from clover.evaluation.suites import Environment, HarnessTask, check_suite, suit
 from clover.model.files import json_lines, read_text, write_text_atomic
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
-           "infrastructure_error")
+           "infrastructure_error", "harness_error")
+# the endings that say nothing of the model: left out of quality figures
+NOT_MEASURED = ("infrastructure_error", "harness_error")
 
 
 @dataclass
@@ -163,9 +167,9 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
                 try:
                     args = json.loads(c["arguments"] or "{}")
                     ok = isinstance(args, dict) and c["name"] in tool_names
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):   # (not JSON, an integer of 5000 digits, nesting too deep)
                     args, ok = {}, False
-                result = env.call(c["name"], args) if ok else "error: invalid tool call"
+                result = _call_tool(env, c["name"], args) if ok else "error: invalid tool call"
                 # (a file name that is not UTF-8 comes back as lone surrogates, which no request can carry)
                 result = result.encode("utf-8", "backslashreplace").decode("utf-8")
                 valid_args += ok
@@ -205,10 +209,21 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
             "step_records": steps, "transcript": transcript}
 
 
-def _infra_failure(exc: Exception) -> dict:
-    return {"reason": "infrastructure_error", "success": False, "error": str(exc), "steps": 0, "total_s": 0.0,
+def _call_tool(env: Environment, name: str, args: dict) -> str:
+    """A tool's result; a tool that fails in a way of its own (a bug, an overflow) answers with the error, as the
+    tools report the errors they foresee, rather than ending the whole evaluation."""
+    try:
+        return env.call(name, args)
+    except Exception as exc:
+        return f"error: {type(exc).__name__}: {exc}"
+
+
+def _failure(reason: str, error: str, steps: list[dict] | None = None) -> dict:
+    """A task run that ended before it measured anything (`reason` one of NOT_MEASURED)."""
+    return {"reason": reason, "success": False, "error": error, "steps": 0, "total_s": 0.0,
             "model_s": 0.0, "tool_s": 0.0, "harness_s": 0.0, "check_s": 0.0, "ttft_s": [], "completion_tokens": 0,
-            "nfe": 0, "valid_tool_args": 0, "tool_calls": 0, "malformed": 0, "step_records": [], "transcript": []}
+            "nfe": 0, "valid_tool_args": 0, "tool_calls": 0, "malformed": 0, "step_records": steps or [],
+            "transcript": []}
 
 
 # what a resumed run must share with its first part (metadata.json), or its results would not be one run's
@@ -327,15 +342,23 @@ def _check_reachable(cfg: HarnessConfig, endpoint: Endpoint) -> None:
 
 
 def _attempt(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht: HarnessTask, condition: dict) -> dict:
-    """A task run, retried (with backoff) only when the infrastructure failed."""
+    """A task run, retried (with backoff) only when the infrastructure failed. Any other failure (a bug of the
+    harness, an environment that could not be made or checked) ends this task run as harness_error, with the
+    exception and its traceback in the transcript, not the whole evaluation."""
     for attempt in range(cfg.infra_retries + 1):
         try:
             res = run_task(client, cfg, endpoint, ht, condition)
             break
         except InfraError as exc:
-            res = _infra_failure(exc)
+            res = _failure("infrastructure_error", str(exc))
             if attempt < cfg.infra_retries:
                 time.sleep(min(cfg.infra_backoff_s * 2 ** attempt, 10))
+        except EndpointRefused:   # (the whole run's end: `run_harness`)
+            raise
+        except Exception as exc:   # (not retried: the harness would fail alike)
+            error = f"{type(exc).__name__}: {exc}"
+            res = _failure("harness_error", error, [{"error": error, "traceback": traceback.format_exc()}])
+            break
     res["attempts"] = attempt + 1
     return res
 
@@ -415,7 +438,7 @@ def summarise(results: list[dict], runs: int) -> dict:
     out = {}
     for cname in dict.fromkeys(r["condition"] for r in results):
         rows = [r for r in results if r["condition"] == cname]
-        quality = [r for r in rows if r["reason"] != "infrastructure_error"]
+        quality = [r for r in rows if r["reason"] not in NOT_MEASURED]
         by_task = _by_task(quality)
         calls = sum(r["tool_calls"] for r in quality)
         cold = [r for r in rows if r.get("cold")]

@@ -61,11 +61,11 @@ def calculate(expression: str) -> str:
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
         raise ValueError("unsupported expression")
-    try:
+    try:   # (a result too large for a float, or its integer too long to write, is an error too)
         value = ev(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError) as exc:
+        return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError) as exc:
         return f"error: {exc}"
-    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
 @dataclass(frozen=True)
