@@ -175,11 +175,13 @@ def test_broken_endpoints_score_zero_with_the_right_reason(endpoint, tmp_path, m
     suites = ("tools", "coding") if mode == "malformed" else ("tools", "coding", "humaneval")
     cfg = _cfg(url, suites=suites)
     cfg.tasks_per_suite, cfg.runs, cfg.conditions = 4, 1, [{}]
+    if reason == "infrastructure_error":   # (MAX_INFRA_IN_A_ROW of them stop the run: fewer tasks)
+        cfg.tasks_per_suite, cfg.suites = 1, ("tools", "coding", "humaneval")
     summary = harness.run_harness(cfg, tmp_path / "run")["default"]
-    assert summary["reasons"][reason] == 4 * len(suites)
+    assert summary["reasons"][reason] == cfg.tasks_per_suite * len(suites)
     if reason == "infrastructure_error":
         assert summary["quality_runs"] == 0 and summary["success_mean"] is None  # left out of quality figures
-        assert calls["n"] == 4 * len(suites) * 2  # one retry each
+        assert calls["n"] == len(suites) * 2  # one retry each
     else:
         assert summary["success_mean"] == 0.0
 
@@ -707,3 +709,32 @@ def test_one_task_runs_failure_is_its_own_and_the_run_goes_on(tmp_path, monkeypa
     assert "harness_error |" in (tmp_path / "run" / "report.md").read_text()
     assert synthetic.calculate("1" + "0" * 400 + "/3").startswith("error: ")   # (it raised OverflowError)
     assert synthetic.calculate("9" * 400 + "*" + "9" * 4000).startswith("error: ")
+
+
+def test_a_dead_server_stops_the_run_and_resume_redoes_what_measured_nothing(endpoint, tmp_path):
+    """Found by a hostile review: --resume counted task runs that ended in infrastructure errors as done, so a run
+    against a server that went down could never be completed; and such a run went on through every task, failing
+    each after its retries. Now MAX_INFRA_IN_A_ROW of them in a row stop it, and a resume redoes them (and
+    harness errors) in place."""
+    down, calls = endpoint("down")
+    cfg = _cfg(down, suites=("tools",))   # 4 tasks x 2 conditions x 2 runs
+    with pytest.raises(ValueError, match=f"{harness.MAX_INFRA_IN_A_ROW} task runs in a row failed to get a reply "
+                                         r"\(the last: HTTP 503\); is its server down\? Rerun with --resume"):
+        harness.run_harness(cfg, tmp_path / "run")
+    rows = (tmp_path / "run" / "results.jsonl").read_text().splitlines()
+    assert len(rows) == harness.MAX_INFRA_IN_A_ROW and calls["n"] == 2 * len(rows)
+    assert all(json.loads(r)["reason"] == "infrastructure_error" for r in rows)
+    oracle, calls = endpoint("oracle")   # (the server came back, on another port)
+    cfg = _cfg(oracle, suites=("tools",))
+    summary = harness.run_harness(cfg, tmp_path / "run", resume=True)
+    results = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert len(results) == 16 and len({(r["task"], r["condition"], r["run"]) for r in results}) == 16
+    assert all(r["success"] for r in results) and all(s["success_mean"] == 1.0 for s in summary.values())
+    # a harness error is redone too, and its row replaced where it was
+    results[3] = {**results[3], "reason": "harness_error", "success": False}
+    (tmp_path / "run" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    before = calls["n"]
+    harness.run_harness(cfg, tmp_path / "run", resume=True)
+    again = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in again] == [r["task"] for r in results[:3] + results[4:] + results[3:4]]
+    assert all(r["success"] for r in again) and calls["n"] > before

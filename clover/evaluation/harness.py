@@ -11,7 +11,9 @@ run side by side; the first request to each endpoint is labelled cold. Infrastru
 retried a bounded number of times, labelled, and left out of quality figures, as are failures of the
 harness itself (a task run's own: the run goes on). A run directory holds
 metadata.json, one transcript per task run, results.jsonl, summary.json, report.md and PNG plots;
-`--resume` skips the task runs already in results.jsonl.
+`--resume` skips the task runs already in results.jsonl that measured something (those that ended in an
+infrastructure or harness error are done again). MAX_INFRA_IN_A_ROW infrastructure errors in a row stop
+the run (a server that went down), to be resumed when it is back.
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ from clover.model.files import json_lines, read_text, write_text_atomic
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
            "infrastructure_error", "harness_error")
-# the endings that say nothing of the model: left out of quality figures
+# the endings that say nothing of the model: left out of quality figures, and done again on --resume
 NOT_MEASURED = ("infrastructure_error", "harness_error")
+# task runs of an endpoint in a row that end in infrastructure errors (each after its retries) before the run stops:
+# the server is down, and the rest of the run would only fill results.jsonl with failures to redo
+MAX_INFRA_IN_A_ROW = 5
 
 
 @dataclass
@@ -249,12 +254,11 @@ RUN_FILES = ("metadata.json", "summary.json", "report.md", "tasks", "latency_lay
 def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> dict:
     out = Path(out)
     results_path = out / "results.jsonl"
-    previous: list[dict] = []
+    whole: list[tuple[str, dict]] = []   # the lines of results.jsonl resumed, with their records
     if resume and results_path.is_file():
         # a run killed while writing leaves at most one partial last line: drop it and redo that task run
         whole = json_lines(results_path)
         write_text_atomic(results_path, "".join(line + "\n" for line, _ in whole))
-        previous = [record for _, record in whole]
     elif results_path.exists():
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     elif out.exists() and not out.is_dir():
@@ -265,6 +269,7 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
         if held:
             raise ValueError(f"{out} holds {', '.join(held)} but no results.jsonl of a run to resume: a new run would "
                              "overwrite them; choose another --out (or move them)")
+    previous = [record for _, record in whole]
     tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite)]  # fails before any file is written
     for endpoint in cfg.endpoints:
         _check_reachable(cfg, endpoint)
@@ -292,9 +297,13 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
         first.setdefault("resumed", []).append({k: meta[k] for k in ("date", "commit")})
         meta = first
     write_text_atomic(out / "metadata.json", json.dumps(meta, indent=2) + "\n")
-    done = {(r["task"], r["condition"], r["run"]) for r in previous}
+    kept = [(line, r) for line, r in whole if r["reason"] not in NOT_MEASURED]
+    if len(kept) < len(whole):   # to be done again: their new rows take their places (an atomic rewrite, as above)
+        write_text_atomic(results_path, "".join(line + "\n" for line, _ in kept))
+    done = {(r["task"], r["condition"], r["run"]) for _, r in kept}
     # cold: the first task run this harness sends to an endpoint (a resumed run's endpoints are warm)
-    cold = {e.name: not any(r["endpoint"] == e.name for r in previous) for e in cfg.endpoints}
+    cold = {e.name: not any(r["endpoint"] == e.name for _, r in kept) for e in cfg.endpoints}
+    infra_in_a_row = dict.fromkeys((e.name for e in cfg.endpoints), 0)
     with httpx.Client() as client:
         for run in range(cfg.runs):
             for endpoint in cfg.endpoints:
@@ -317,6 +326,14 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
                             {"transcript": res.pop("transcript"), "steps": res.pop("step_records")}, indent=1))
                         with open(results_path, "a") as f:
                             f.write(json.dumps(res) + "\n")
+                        if res["reason"] == "infrastructure_error":
+                            infra_in_a_row[endpoint.name] += 1
+                        else:
+                            infra_in_a_row[endpoint.name] = 0
+                        if infra_in_a_row[endpoint.name] == MAX_INFRA_IN_A_ROW:
+                            raise ValueError(f"endpoint {endpoint.name}: {MAX_INFRA_IN_A_ROW} task runs in a row "
+                                             f"failed to get a reply (the last: {res['error']}); is its server down? "
+                                             f"Rerun with --resume when it is back ({out} keeps the runs so far)")
     results = [json.loads(x) for x in results_path.read_text().splitlines() if x.strip()]
     summary = summarise(results, cfg.runs)
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
