@@ -307,6 +307,17 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
      "one --model for all endpoints or one per endpoint"),
     (["--endpoint", "x=http://a/v1", "--endpoint", "x=http://b/v1", "--model", "m"], "endpoint names must differ"),
     (["--endpoint", "http://a/v1", "--model", "m", "--suite", "tools,cooking"], "unknown suite 'cooking'"),
+    # found by a hostile review: a block size that is not an integer broke every report (and resume) of the run,
+    # and a condition could set what the harness fixes for all (its report said temperature 0 regardless)
+    (["--endpoint", "http://a/v1", "--model", "m", "--condition", '{"block_size": null}'],
+     'condition {"block_size": null}: block_size must be a positive integer'),
+    (["--endpoint", "http://a/v1", "--model", "m", "--condition", '{"block_size": "auto"}'],
+     "block_size must be a positive integer"),
+    (["--endpoint", "http://a/v1", "--model", "m", "--condition", '{"threshold": 1.5}'],
+     "threshold must be a number between 0 and 1"),
+    (["--endpoint", "http://a/v1", "--model", "m", "--condition", '{"algorithm": 3}'], "algorithm must be a name"),
+    (["--endpoint", "http://a/v1", "--model", "m", "--condition", '{"temperature": 0.9, "max_tokens": 5, "n": 2}'],
+     "may not set max_tokens, n, temperature: the harness sets them alike for every condition"),
 ])
 def test_eval_agent_bad_arguments_are_one_line_errors(args, message, tmp_path, capsys):
     assert cli_main(["eval", "agent", *args, "--out", str(tmp_path / "r")]) == 1
@@ -495,11 +506,16 @@ def test_a_tool_result_with_a_name_that_is_not_utf8_reaches_the_model_escaped():
     assert r["success"] and state["bodies"][-1]["messages"][2]["content"] == "bad\\udcff.py"
 
 
+def test_the_report_orders_a_block_size_it_cannot_read_with_the_default():
+    """A run made before conditions were checked may hold {"block_size": null}: its report was a TypeError."""
+    assert [harness._block_order(p) for p in ({"block_size": None}, {"block_size": "auto"}, {"block_size": 8},
+                                               {"algorithm": "ar"})] == [0, 0, 8, -1]
+
+
 def test_two_conditions_with_one_label_are_refused():
-    """{"block_size": 32} and {"block_size": "32"} were both named block_size=32: pooled, and resumed wrongly."""
-    with pytest.raises(ValueError, match="same label 'block_size=32'"):
-        harness.HarnessConfig([harness.Endpoint("http://x/v1", "m")], conditions=[{"block_size": 32},
-                                                                                 {"block_size": "32"}])
+    """{"top_k": 32} and {"top_k": "32"} were both named top_k=32: pooled, and resumed wrongly."""
+    with pytest.raises(ValueError, match="same label 'top_k=32'"):
+        harness.HarnessConfig([harness.Endpoint("http://x/v1", "m")], conditions=[{"top_k": 32}, {"top_k": "32"}])
 
 
 def test_bench_at_a_rate_waits_between_requests_only(monkeypatch):

@@ -46,6 +46,13 @@ REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_cal
            "infrastructure_error", "harness_error")
 # the endings that say nothing of the model: left out of quality figures, and done again on --resume
 NOT_MEASURED = ("infrastructure_error", "harness_error")
+# the request fields the harness sets alike for every condition (`_agent_loop`), and those that would change what
+# they set: a condition may not set them (its results would be compared with others' made otherwise)
+FIXED_FIELDS = ("model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "n", "stream",
+                "stream_options", "temperature", "chat_template_kwargs")
+FIXED_FIELDS_HOW = "--model, --max-tokens and --thinking; temperature 0, one streamed reply, the task's tools"
+
+
 # task runs of an endpoint in a row that end in infrastructure errors (each after its retries) before the run stops:
 # the server is down, and the rest of the run would only fill results.jsonl with failures to redo
 MAX_INFRA_IN_A_ROW = 5
@@ -88,6 +95,10 @@ class HarnessConfig:
             raise ValueError("runs, tasks per suite and the step limit must be at least 1")
         if not all(isinstance(c, dict) for c in self.conditions):
             raise ValueError("each condition must be a JSON object of extra body fields")
+        for c in self.conditions:
+            problem = _condition_problem(c)
+            if problem:
+                raise ValueError(f"condition {json.dumps(c, default=str)}: {problem}")
         names = [self.condition_name(self.endpoints[0], c) for c in self.conditions]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:   # (their runs would be pooled under one label, and a resumed run would skip some)
@@ -98,6 +109,27 @@ class HarnessConfig:
     def condition_name(self, endpoint: Endpoint, condition: dict) -> str:
         name = ",".join(f"{k}={v}" for k, v in sorted(condition.items())) or "default"
         return f"{endpoint.name}: {name}" if len(self.endpoints) > 1 else name
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _condition_problem(condition: dict) -> str | None:
+    """What is wrong with a condition (None: nothing): a field the harness fixes (FIXED_FIELDS), or one of Clover's
+    decoding fields of the wrong kind (the server would refuse every request, or the report could not order it)."""
+    fixed = sorted(set(condition) & set(FIXED_FIELDS))
+    if fixed:
+        return f"may not set {', '.join(fixed)}: the harness sets them alike for every condition ({FIXED_FIELDS_HOW})"
+    if "algorithm" in condition and not (isinstance(condition["algorithm"], str) and condition["algorithm"]):
+        return "algorithm must be a name such as \"ar\" or \"low_confidence\""
+    for key in ("block_size", "max_accept_per_step"):
+        if key in condition and not (_is_int(condition[key]) and condition[key] >= 1):
+            return f"{key} must be a positive integer (leave it out for the server's default)"
+    threshold = condition.get("threshold", 0)
+    if not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and 0 <= threshold <= 1):
+        return "threshold must be a number between 0 and 1 (leave it out for the server's default)"
+    return None
 
 
 # -- the loop ----------------------------------------------------------------------------------------------
@@ -493,7 +525,10 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 
 
 def _block_order(params: dict) -> int:
-    return -1 if params.get("algorithm") == "ar" else int(params.get("block_size", 0))
+    """Where a condition goes among block sizes: ar first, then by block size (0: the server's default, or a
+    size that is not a number, from a run older than conditions were checked)."""
+    size = params.get("block_size")
+    return -1 if params.get("algorithm") == "ar" else size if _is_int(size) else 0
 
 
 def _block_label(params: dict) -> str:
