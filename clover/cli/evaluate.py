@@ -51,7 +51,8 @@ def cmd_eval_agent(args: argparse.Namespace) -> int:
     cfg = HarnessConfig(endpoints=parse_endpoints(args.endpoint, args.model, args.api_key),
                         suites=tuple(args.suite.split(",")),
                         tasks_per_suite=args.tasks, runs=args.runs, conditions=conditions, step_limit=args.step_limit,
-                        task_timeout_s=args.task_timeout, max_tokens=args.max_tokens, thinking=args.thinking)
+                        task_timeout_s=args.task_timeout, request_timeout_s=args.request_timeout,
+                        max_tokens=args.max_tokens, thinking=args.thinking)
     summary = run_harness(cfg, args.out, resume=args.resume)
     print(json.dumps({c: {k: v for k, v in s.items() if k in ("success_mean", "reasons", "tpf", "tokens_per_s")}
                       | {"total_s_median": s["total_s"]["median"]} for c, s in summary.items()}))
@@ -214,6 +215,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--condition", type=json_object, action="append", default=[], help="JSON extra body fields (repeatable: a sweep)")
     a.add_argument("--step-limit", type=positive_int, default=40)
     a.add_argument("--task-timeout", type=positive_float, default=300.0, help="seconds per task")
+    a.add_argument("--request-timeout", type=positive_float, default=120.0,
+                   help="seconds per model request: a reply still streaming past it ends its task run as a timeout, "
+                        "one that never began is an infrastructure error")
     a.add_argument("--max-tokens", type=positive_int, default=256)
     a.add_argument("--thinking", action="store_true", help="thinking on (default off)")
     a.add_argument("--api-key")

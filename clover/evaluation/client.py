@@ -31,7 +31,8 @@ class EndpointRefused(RuntimeError):
 
 
 class OutOfTime(RuntimeError):
-    """The reply was still streaming when the caller's deadline (`stream_chat`'s `deadline_s`) passed."""
+    """The reply was still streaming when the caller's deadline (`stream_chat`'s `deadline_s`) or, once it had
+    begun, the request's time limit passed: the model's outcome (too slow), not the infrastructure's."""
 
 
 @dataclass
@@ -137,9 +138,11 @@ def _shape_problem(data: Any) -> str | None:
 def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | None = None,
                 timeout_s: float = 600.0, deadline_s: float | None = None) -> StreamedReply:
     """POST `body` (with "stream": true) to `base_url`/chat/completions and read the whole stream. `timeout_s`
-    bounds the whole request (InfraError past it; httpx's own timeout bounds each read only, so a reply that
-    kept streaming slowly ran on), `deadline_s` the caller's time left (OutOfTime past it); both are checked as
-    each piece of the stream arrives. A stream that is not one (another content type, an event that is not JSON
+    bounds the whole request (httpx's own timeout bounds each read only, so a reply that kept streaming slowly
+    ran on): past it, OutOfTime once the reply has begun (its first event came: a slow reply is the model's,
+    and retrying it would flatter slow conditions), InfraError before (no answer, a server that never sends
+    one). `deadline_s` is the caller's time left (OutOfTime past it); both are checked as each piece of the
+    stream arrives. A stream that is not one (another content type, an event that is not JSON
     or not of the OpenAI shape, a line or a reply over MAX_LINE_CHARS or MAX_REPLY_CHARS, no end) is the
     server's fault: InfraError."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -148,19 +151,22 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
     t0 = time.perf_counter()
     limit = timeout_s if deadline_s is None else min(timeout_s, max(deadline_s, 0.0))
     ended = False   # [DONE] came
+    begun = False   # an event came
     size = 0        # the reply's characters so far
 
     def check_time() -> None:
         spent = time.perf_counter() - t0
         if deadline_s is not None and spent > deadline_s:
             raise OutOfTime(f"the reply was still streaming after {spent:.1f} s, past the task's time")
+        if spent > timeout_s and begun:
+            raise OutOfTime(f"the reply was still streaming after {spent:.1f} s, past the request's {timeout_s:g} s")
         if spent > timeout_s:
-            raise InfraError(f"the request took over {timeout_s:.0f} s")
+            raise InfraError(f"the request took over {timeout_s:g} s and no reply began")
 
     def take(line: str) -> None:
         """One line of the stream: an event's data is added to `out`; comments, other fields and blank lines
         (the separators of events) are skipped."""
-        nonlocal ended, size
+        nonlocal ended, begun, size
         if not line.startswith("data:"):
             return
         payload = line[5:].removeprefix(" ")   # (SSE: one space after the colon, if any, is not the data's)
@@ -180,6 +186,7 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
         problem = _shape_problem(data)
         if problem:
             raise InfraError(f"the stream sent an event that {problem}: {one_line(payload, 80)}")
+        begun = True
         out.usage = data.get("usage") or out.usage
         chars = 0
         for ch in data.get("choices", []):
@@ -238,6 +245,8 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
     except httpx.TimeoutException as exc:
         if deadline_s is not None and time.perf_counter() - t0 >= deadline_s:   # the task's time ran out first
             raise OutOfTime(f"no reply within the task's time left ({deadline_s:.1f} s)") from exc
+        if begun:   # (it stopped part way)
+            raise OutOfTime(f"the reply stopped streaming for {limit:g} s") from exc
         raise InfraError(f"{type(exc).__name__}: {exc}") from exc
     except httpx.HTTPError as exc:
         raise InfraError(f"{type(exc).__name__}: {exc}") from exc

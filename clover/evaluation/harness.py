@@ -176,7 +176,7 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
             steps.append({"step": step, "error": str(exc)})
             reason = "model_error"
             break
-        except OutOfTime as exc:   # (a reply that ends after the task's time must not count: checked per chunk)
+        except OutOfTime as exc:   # (a reply that ends after the task's or request's time must not count)
             steps.append({"step": step, "error": str(exc)})
             reason = "timeout"
             break
