@@ -360,6 +360,20 @@ def test_eval_tasks_runs_the_harness_against_the_model_served_in_process(tmp_pat
         assert "starting afresh" in capsys.readouterr().err
 
 
+def test_eval_tasks_leaves_infrastructure_and_harness_errors_out_of_its_success_rates():
+    """Found by a hostile review: `clover eval tasks` divided successes by every task run, infrastructure errors
+    included, so a server's failures lowered the model's rate."""
+    from clover.cli.evaluate import tasks_outcomes
+
+    ends = [("calc", "success"), ("calc", "infrastructure_error"), ("notes", "harness_error"), ("notes", "wrong_answer")]
+    rows = [{"task": f"synthetic-{family}-{seed}", "success": reason == "success", "reason": reason, "steps": 1,
+             "malformed": 0, "tool_calls": 0} for seed, (family, reason) in enumerate(ends)]
+    out = tasks_outcomes(rows)
+    assert out["tasks"] == 4 and out["measured"] == 2 and out["success_rate"] == 0.5
+    assert out["by_family"] == {"calc": 1.0, "notes": 0.0} and out["reasons"]["infrastructure_error"] == 1
+    assert tasks_outcomes(rows[1:3])["success_rate"] is None
+
+
 def test_eval_tasks_to_a_stream_keeps_its_task_runs_in_a_temporary_directory(tmp_path):
     """`--out /dev/stdout` or any path that is not a regular file (here /dev/null): the result goes there, and the
     harness's runs into a temporary directory, not `/dev/null.runs` beside it (found by a hostile pass)."""

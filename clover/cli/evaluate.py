@@ -150,7 +150,6 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
     from clover.evaluation.harness import Endpoint, HarnessConfig, run_harness
     from clover.serving.app import ServerConfig, build_app
     from clover.serving.local import serve_in_thread
-    from clover.training.synthetic import FAMILIES
 
     condition = {k: v for k, v in (("algorithm", args.algorithm), ("threshold", args.threshold)) if v is not None}
     decoding = loaded.generation.merged(**condition)
@@ -175,18 +174,29 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
             t0 = time.perf_counter()
             run_harness(cfg, out, resume=(out / "results.jsonl").is_file())
             rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if x.strip()]
-            outcomes = [{"family": r["task"].split("-")[1], "seed": int(r["task"].split("-")[2]),
-                         **{k: r[k] for k in ("success", "reason", "steps", "malformed", "tool_calls")}} for r in rows]
-            reasons: dict[str, int] = {}
-            for o in outcomes:
-                reasons[o["reason"]] = reasons.get(o["reason"], 0) + 1
-            by_family = {f: sum(o["success"] for o in rows_) / len(rows_) for f in FAMILIES
-                         if (rows_ := [o for o in outcomes if o["family"] == f])}
-            runs.append({"tasks": len(outcomes), "thinking": thinking, "algorithm": decoding["algorithm"],
-                         "threshold": decoding["threshold"], "success_rate": sum(o["success"] for o in outcomes) /
-                         max(len(outcomes), 1), "by_family": by_family, "reasons": reasons,
-                         "wall_s": time.perf_counter() - t0, "outcomes": outcomes})
+            runs.append({"thinking": thinking, "algorithm": decoding["algorithm"], "threshold": decoding["threshold"],
+                         **tasks_outcomes(rows), "wall_s": time.perf_counter() - t0})
     return runs
+
+
+def tasks_outcomes(rows: list[dict]) -> dict:
+    """A `clover eval tasks` run's figures from the harness's results rows. Task runs that ended in infrastructure
+    or harness errors say nothing of the model (counted as failures, they lowered its rate): they are in `reasons`
+    and left out of the success rates, which are over the `measured` rest (None when nothing was measured)."""
+    from clover.evaluation.harness import NOT_MEASURED
+    from clover.training.synthetic import FAMILIES
+
+    outcomes = [{"family": r["task"].split("-")[1], "seed": int(r["task"].split("-")[2]),
+                 **{k: r[k] for k in ("success", "reason", "steps", "malformed", "tool_calls")}} for r in rows]
+    reasons: dict[str, int] = {}
+    for o in outcomes:
+        reasons[o["reason"]] = reasons.get(o["reason"], 0) + 1
+    measured = [o for o in outcomes if o["reason"] not in NOT_MEASURED]
+    by_family = {f: sum(o["success"] for o in rows_) / len(rows_) for f in FAMILIES
+                 if (rows_ := [o for o in measured if o["family"] == f])}
+    return {"tasks": len(outcomes), "measured": len(measured),
+            "success_rate": sum(o["success"] for o in measured) / len(measured) if measured else None,
+            "by_family": by_family, "reasons": reasons, "outcomes": outcomes}
 
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
