@@ -307,6 +307,8 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
      "one --model for all endpoints or one per endpoint"),
     (["--endpoint", "x=http://a/v1", "--endpoint", "x=http://b/v1", "--model", "m"], "endpoint names must differ"),
     (["--endpoint", "http://a/v1", "--model", "m", "--suite", "tools,cooking"], "unknown suite 'cooking'"),
+    # (a hostile review: an httpx.InvalidURL traceback)
+    (["--endpoint", "http://[::1/v1", "--model", "m"], "endpoint URL 'http://[::1/v1' is not a valid URL"),
     # found by a hostile review: a block size that is not an integer broke every report (and resume) of the run,
     # and a condition could set what the harness fixes for all (its report said temperature 0 regardless)
     (["--endpoint", "http://a/v1", "--model", "m", "--condition", '{"block_size": null}'],
@@ -323,6 +325,13 @@ def test_eval_agent_bad_arguments_are_one_line_errors(args, message, tmp_path, c
     assert cli_main(["eval", "agent", *args, "--out", str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not (tmp_path / "r").exists()
+
+
+def test_bench_with_a_malformed_endpoint_url_is_a_one_line_error(capsys):
+    """Found by a hostile review: an httpx.InvalidURL traceback."""
+    assert cli_main(["bench", "serve", "--endpoint", "http://[::1/v1", "--concurrency", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach http://[::1/v1/models" in err and "Traceback" not in err
 
 
 def test_oracle_solves_the_synthetic_suite_of_the_model_card(endpoint, tmp_path):

@@ -70,7 +70,7 @@ def list_models(base_url: str, api_key: str | None = None, timeout_s: float = 30
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(url, headers=headers, timeout=timeout_s, follow_redirects=True)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:   # (InvalidURL: a URL such as http://[::1/v1)
         raise InfraError(f"cannot reach {url}: {one_line(str(exc)) or type(exc).__name__}") from None
     try:
         models = [str(m["id"]) for m in response.json()["data"]] if response.status_code == 200 else None

@@ -67,6 +67,10 @@ class Endpoint:
 
     def __post_init__(self) -> None:
         self.name = self.name or self.model
+        try:
+            httpx.URL(self.url)
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"endpoint URL {self.url!r} is not a valid URL ({exc}); use http://HOST:PORT/v1") from None
 
 
 @dataclass
