@@ -785,3 +785,35 @@ def test_a_dead_server_stops_the_run_and_resume_redoes_what_measured_nothing(end
     again = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     assert [r["task"] for r in again] == [r["task"] for r in results[:3] + results[4:] + results[3:4]]
     assert all(r["success"] for r in again) and calls["n"] > before
+
+
+def test_bench_one_failed_request_is_its_own_record(monkeypatch):
+    """Found by a hostile review: `bench serve` caught the client's InfraError and ModelError only, so any other
+    failure of one request (here an exception of the client, and a usage with completion_tokens null) ended the
+    whole benchmark, every measurement lost."""
+    from clover.evaluation import bench
+
+    counted = client_module.StreamedReply(content="ab", usage={"completion_tokens": 2}, finish_reason="stop",
+                                          ttft_s=0.1, e2e_s=0.3, chunk_s=[0.1, 0.3], chunk_chars=[1, 1])
+    replies = iter([ValueError("garbage"), dataclasses.replace(counted, usage={"completion_tokens": None}), counted])
+
+    def fake(client, endpoint, body, api_key):
+        reply = next(replies)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    monkeypatch.setattr(bench, "stream_chat", fake)
+    records = bench.run_bench("http://x/v1", "m", ["a", "b", "c"], 4, 1, None, 0, None, {}, 0)["records"]
+    assert [(r.ok, r.error, r.output_tokens) for r in records] == [(False, "ValueError: garbage", 0), (True, None, 0),
+                                                                  (True, None, 2)]
+
+
+def test_bench_refuses_a_prompts_file_whose_warm_up_prompts_would_be_measured(tmp_path, capsys):
+    """A prompts file shorter than --num-prompts + --warmup sent the warm-up's prompts again among the measured
+    ones (answered faster by a server that caches prompts)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\n")
+    assert cli_main(["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1", "--num-prompts",
+                     "2", "--prompts-file", str(prompts)]) == 1
+    assert "holds 3 prompts, fewer than --num-prompts + --warmup (4)" in capsys.readouterr().err

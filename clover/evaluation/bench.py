@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from clover.evaluation.client import InfraError, ModelError, list_models, stream_chat
+from clover.evaluation.client import InfraError, StreamedReply, list_models, one_line, stream_chat
 from clover.model.files import read_text
 
 WORDS = ("the of and to in is that for it as with was on be by this are or an from at which but not have all "
@@ -71,17 +71,22 @@ def random_prompt(rng: random.Random, words: int) -> str:
 
 
 def _one(client: httpx.Client, endpoint: str, body: dict, api_key: str | None) -> RequestRecord:
+    """One request, measured; any failure of it (the endpoint's, a reply that cannot be read or measured) is its
+    failed record, never the end of the whole benchmark."""
     try:
-        reply = stream_chat(client, endpoint, body, api_key)
-    except (InfraError, ModelError) as exc:
-        return RequestRecord(ok=False, error=str(exc)[:200])
-    out_tokens = int(reply.usage.get("completion_tokens", 0))
+        return _measured(stream_chat(client, endpoint, body, api_key))
+    except Exception as exc:
+        return RequestRecord(ok=False, error=one_line(f"{type(exc).__name__}: {exc}"))
+
+
+def _measured(reply: StreamedReply) -> RequestRecord:
+    out_tokens = reply.usage.get("completion_tokens") or 0   # (null or left out: the server did not count them)
     ttft, times, chars = reply.ttft_s, reply.chunk_s, reply.chunk_chars
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     tpot = (reply.e2e_s - ttft) / (out_tokens - 1) if ttft is not None and out_tokens > 1 else None
     first_tokens = round(out_tokens * chars[0] / sum(chars)) if chars else 0  # arrive with TTFT, not in any gap
     return RequestRecord(ok=True, ttft=ttft, e2el=reply.e2e_s, output_tokens=out_tokens,
-                         prompt_tokens=int(reply.usage.get("prompt_tokens", 0)), tpot=tpot,
+                         prompt_tokens=reply.usage.get("prompt_tokens") or 0, tpot=tpot,
                          itl=split_itl(gaps, chars[1:], out_tokens - first_tokens), chunk_gaps=gaps,
                          nfe=reply.usage.get("nfe"))
 
@@ -170,6 +175,10 @@ def bench_serve(endpoint: str, model: str | None, num_prompts: int, input_len: i
         lines = [x for x in read_text(prompts_file).splitlines() if x.strip()]
         if not lines:
             raise ValueError(f"{prompts_file} holds no prompts")
+        if warmup and len(lines) < num_prompts + warmup:   # (a server that caches prompts would answer them faster)
+            raise ValueError(f"{prompts_file} holds {len(lines)} prompts, fewer than --num-prompts + --warmup "
+                             f"({num_prompts + warmup}): measured requests would repeat the warm-up's; give more "
+                             "prompts, a smaller --num-prompts or --warmup 0")
         prompts = [lines[i % len(lines)] for i in range(num_prompts + warmup)]
     else:
         prompts = [random_prompt(rng, input_len) for _ in range(num_prompts + warmup)]
