@@ -182,6 +182,8 @@ def test_broken_endpoints_score_zero_with_the_right_reason(endpoint, tmp_path, m
     if reason == "infrastructure_error":
         assert summary["quality_runs"] == 0 and summary["success_mean"] is None  # left out of quality figures
         assert calls["n"] == len(suites) * 2  # one retry each
+        # (and out of the report's count of task runs, shown apart: found by a hostile review)
+        assert "| default | 0 (+3) | n/a ± n/a |" in (tmp_path / "run" / "report.md").read_text()
     else:
         assert summary["success_mean"] == 0.0
 
@@ -541,6 +543,12 @@ def test_the_report_orders_a_block_size_it_cannot_read_with_the_default():
     """A run made before conditions were checked may hold {"block_size": null}: its report was a TypeError."""
     assert [harness._block_order(p) for p in ({"block_size": None}, {"block_size": "auto"}, {"block_size": 8},
                                                {"algorithm": "ar"})] == [0, 0, 8, -1]
+
+
+def test_a_suite_named_twice_runs_once():
+    """Found by a hostile review: `--suite tools,tools` ran each task twice per run, weighing it double."""
+    assert harness.HarnessConfig([harness.Endpoint("http://x/v1", "m")], suites=("tools", "memory", "tools")).suites \
+        == ("tools", "memory")
 
 
 def test_two_conditions_with_one_label_are_refused():

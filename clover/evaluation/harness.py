@@ -95,6 +95,7 @@ class HarnessConfig:
             raise ValueError("endpoint names must differ; label them with name=URL")
         if not self.infra_backoff_s >= 0:
             raise ValueError("the retry backoff must be a number of seconds >= 0")
+        self.suites = tuple(dict.fromkeys(self.suites))   # (`--suite tools,tools` would run each task twice as often)
         if self.runs < 1 or (self.tasks_per_suite is not None and self.tasks_per_suite < 1) or self.step_limit < 1:
             raise ValueError("runs, tasks per suite and the step limit must be at least 1")
         if not all(isinstance(c, dict) for c in self.conditions):
@@ -550,12 +551,14 @@ def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dic
              f"{cfg.runs} run(s) per task and condition, step limit "
              f"{cfg.step_limit}, max_tokens {cfg.max_tokens}, thinking {'on' if cfg.thinking else 'off'}, temperature 0. "
              "Conditions and machine: `metadata.json`; every step of every task run: `tasks/`.", "",
-             "| condition | task runs | success (± s.e. over tasks) | pass@k | pass^k | valid tool args | model s (median / p90) "
+             "| condition | task runs (+ not measured) | success (± s.e. over tasks) | pass@k | pass^k | valid tool args | model s (median / p90) "
              "| tool s (median) | total s (median / p90, min-max) | TTFT s (median) | tokens/s | TPF |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cname, s in summary.items():
         t = s["total_s"]
-        lines.append(f"| {cname} | {s['task_runs']} | {f(s['success_mean'])} ± {f(s['success_stderr'])} | "
+        left = s["task_runs"] - s["quality_runs"]   # (infrastructure and harness errors: in no figure of the row)
+        lines.append(f"| {cname} | {s['quality_runs']}{f' (+{left})' if left else ''} | "
+                     f"{f(s['success_mean'])} ± {f(s['success_stderr'])} | "
                      f"{f(s[f'pass@{k}'])} | {f(s[f'pass^{k}'])} | {f(s['valid_tool_arg_rate'])} | "
                      f"{f(s['model_s']['median'])} / {f(s['model_s']['p90'])} | {f(s['tool_s']['median'])} | "
                      f"{f(t['median'])} / {f(t['p90'])} ({f(t['min'])}-{f(t['max'])}) | {f(s['ttft_s']['median'])} | "
