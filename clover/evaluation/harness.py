@@ -51,8 +51,6 @@ NOT_MEASURED = ("infrastructure_error", "harness_error")
 FIXED_FIELDS = ("model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "n", "stream",
                 "stream_options", "temperature", "chat_template_kwargs")
 FIXED_FIELDS_HOW = "--model, --max-tokens and --thinking; temperature 0, one streamed reply, the task's tools"
-
-
 # task runs of an endpoint in a row that end in infrastructure errors (each after its retries) before the run stops:
 # the server is down, and the rest of the run would only fill results.jsonl with failures to redo
 MAX_INFRA_IN_A_ROW = 5
