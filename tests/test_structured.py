@@ -199,6 +199,19 @@ def test_forced_tool_choice_always_yields_a_valid_call(url, algorithm, choice):
         assert "clover_parse_errors" not in c
 
 
+def test_a_streamed_reply_carries_the_parse_errors_the_whole_reply_does(url):
+    """(a hostile pass, session 56: `clover_parse_errors` were in whole replies only) a call opened for the model and
+    left to it (no grammar), cut short by max_tokens: both shapes of the reply say what went wrong."""
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": "required",
+            "constrain_tool_calls": False, "max_tokens": 3, "algorithm": "ar"}
+    status, whole = _chat(url, **body)
+    assert status == 200 and whole["choices"][0]["clover_parse_errors"], whole
+    with httpx.stream("POST", url + "/chat/completions", json={"model": "m", **body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(last) == 1 and last[0]["clover_parse_errors"] == whole["choices"][0]["clover_parse_errors"]
+
+
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -450,6 +463,42 @@ def test_tool_call_grammar_reads_calls_as_the_chat_format_writes_them(setup, ope
     assert not passes(call.replace(content, "x" * 81) + "</tool_call>")
     assert passes(call.replace(content, "x" * 80) + "</tool_call>")
     assert not passes(call.replace("<parameter=path>\na.py\n</parameter>\n", "") + "</tool_call>")
+
+
+def test_tool_call_grammar_holds_minlength_const_finite_numbers_and_open_parameters(setup):
+    """(a hostile pass, session 56) the grammar dropped a raw string's const, let a number be 1e999
+    (no double: the parser now refuses it), held a tool that declares no properties but allows any to no
+    parameters at all, and dropped `required` names that are not properties (now refused up front)."""
+    from clover.engine.structured import GrammarCompiler, tool_call_grammar
+    from clover.model.chat import ChatFormatError, parse_output, validate_tools
+
+    model, tok = setup
+    ids = tok.special_ids
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "maxLength": 3}, "c": {"type": "string", "const": "on"}, "x": {"type": "number"}}}}},
+        {"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "additionalProperties": {"type": "integer"}}}}]
+    grammar = Constraint("lark", tool_call_grammar(tools, None, False, ids["<tool_call>"], ids["</tool_call>"]))
+    compiler = GrammarCompiler(tok, model.config.vocab_size, tok.eos_token_ids)
+
+    def passes(call: str) -> bool:
+        reply = tok.encode(call) + [ids["</tool_call>"]]
+        return compiler.matcher(grammar).valid_prefix(reply) == len(reply)
+
+    def f(s: str = "abc", c: str = "on", x: str = "2.5e10") -> str:
+        return (f"<function=f>\n<parameter=s>\n{s}\n</parameter>\n<parameter=c>\n{c}\n</parameter>\n"
+                f"<parameter=x>\n{x}\n</parameter>\n</function>\n")
+
+    assert passes(f()) and passes(f(x="-0.125")) and passes(f(x="7"))
+    for bad in (f(s="abcd"), f(c="off"), f(x="1e999"), f(x="1e100"), f(x="NaN")):
+        assert not passes(bad), bad
+    g = "<function=g>\n<parameter=a>\n3\n</parameter>\n<parameter=b b>\n-4\n</parameter>\n</function>\n"
+    assert passes(g) and not passes(g.replace("-4", '"x"'))
+    out = parse_output(f"<tool_call>\n{g}</tool_call>", thinking=False, tools=tools)
+    assert out.errors == [] and out.tool_calls[0].arguments == {"a": 3, "b b": -4}
+    with pytest.raises(ChatFormatError, match="required names 'zzz', which is not in its properties"):
+        validate_tools([{"type": "function", "function": {"name": "h", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zzz"]}}}])
 
 
 def test_tool_call_grammar_takes_parameters_in_schema_order_and_nullable_or_untyped_values_raw(setup):

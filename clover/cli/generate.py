@@ -16,11 +16,11 @@ from clover.engine.engine import Engine, GenerationResult
 from clover.engine.sampling import ALGORITHMS, InvalidParameter, SamplingParams, check_generation_defaults
 from clover.engine.structured import auto_tool_calls
 from clover.engine.trace import render_steps_ansi, write_trace_html
-from clover.model.chat import StreamingParser, parse_output, validate_tools
+from clover.model.chat import StreamingParser, lone_surrogate, parse_output, validate_tools
 from clover.model.checkpoint import Loaded, load_for_generation
 from clover.model.config import GenerationConfig
 from clover.model.files import read_text
-from clover.model.tokenizer import Tokenizer, lone_surrogate
+from clover.model.tokenizer import Tokenizer
 
 DIM, RESET = "\033[2m", "\033[0m"
 

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from clover.model.chat import string_enum, written_raw
+from clover.model.chat import extra_parameters, string_enum, written_raw
 
 if TYPE_CHECKING:
     from clover.model.tokenizer import Tokenizer
@@ -373,6 +373,37 @@ def _lit(text: str) -> str:
     return json.dumps(text)   # a Lark string literal, written as a JSON string
 
 
+# A number parameter without bounds: llguidance's JSON numbers take any exponent, and 1e999 is no double (Python reads
+# it as inf, which strict JSON cannot write back: `chat.json_value` refuses it). These are finite: below 1e199.
+FINITE_NUMBER = r"/-?(0|[1-9][0-9]{0,99})(\.[0-9]{1,99})?([eE][+-]?[0-9]{1,2})?/"
+NUMBER_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+
+
+def _value_rule(tag: str, schema: dict, defs: dict, rules: list[str]) -> str:
+    """The grammar of one parameter's value and the "\\n</parameter>\\n" after it (its rules added to `rules`): a
+    string enum or const, or any text (of at most maxLength characters) where the value is written raw, a finite
+    number, else JSON matching the schema. Of a raw string, minLength, pattern and format are not held: the value
+    ends at the first "\\n</parameter>\\n", and a lexeme that held those could run past it (the parser would read
+    another value than the grammar let through)."""
+    tail = _lit(NL + "</parameter>" + NL)
+    if string_enum(schema) or isinstance(schema.get("const"), str):   # written raw, as strings are
+        return "(" + " | ".join(_lit(e) for e in schema.get("enum", [schema.get("const")])) + f") {tail}"
+    if written_raw(schema):
+        # shortest match: the value ends at the first "\n</parameter>\n", which the lexeme takes too
+        most = schema.get("maxLength")
+        bound = f"{{0,{most}}}" if type(most) is int and most >= 0 else "*"
+        rules.append(f"string_{tag}[lazy]: /(?s:.{bound})\\n<\\/parameter>\\n/")
+        return f"string_{tag}"
+    if schema.get("type") == "number" and not (set(schema) & NUMBER_BOUNDS) and "enum" not in schema \
+            and "const" not in schema:
+        rules.append(f"number_{tag}: {FINITE_NUMBER}")
+        return f"number_{tag} {tail}"
+    own = schema.get("x-guidance")
+    style = {**JSON_STYLE, "coerce_one_of": True, **(own if isinstance(own, dict) else {})}
+    rules.append(f"value_{tag}: %json {json.dumps({**defs, **schema, 'x-guidance': style})}")
+    return f"value_{tag} {tail}"
+
+
 def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open_id: int, close_id: int,
                       opened: bool = True) -> str:
     """A Lark grammar (llguidance) for a tool call after its start: the parameters of `named` (whose
@@ -394,22 +425,13 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
         parts = []
         for i, name in enumerate(props):
             value_schema = props[name] if isinstance(props[name], dict) else {}
-            tail = _lit(NL + "</parameter>" + NL)
-            if string_enum(value_schema):
-                value = "(" + " | ".join(_lit(e) for e in value_schema["enum"]) + ")"      # written raw, as strings are
-            elif written_raw(value_schema):
-                # shortest match: the value ends at the first "\n</parameter>\n", which the lexeme takes too
-                value, tail = f"string_{k}_{i}", ""
-                most = value_schema.get("maxLength")
-                bound = f"{{0,{most}}}" if type(most) is int and most >= 0 else "*"
-                rules.append(f"{value}[lazy]: /(?s:.{bound})\\n<\\/parameter>\\n/")
-            else:
-                value = f"value_{k}_{i}"
-                own = value_schema.get("x-guidance")
-                style = {**JSON_STYLE, "coerce_one_of": True, **(own if isinstance(own, dict) else {})}
-                rules.append(f"{value}: %json {json.dumps({**defs, **value_schema, 'x-guidance': style})}")
-            rules.append(f"param_{k}_{i}: {_lit(f'<parameter={name}>' + NL)} {value} {tail}")
+            value = _value_rule(f"{k}_{i}", value_schema, defs, rules)
+            rules.append(f"param_{k}_{i}: {_lit(f'<parameter={name}>' + NL)} {value}")
             parts.append(f"param_{k}_{i}" + ("" if name in required else "?"))
+        more = extra_parameters(schema)
+        if more is not None:   # (a tool that names none of its parameters: any names, values of that schema)
+            rules.append(f"param_{k}_any: /<parameter=[^>\\n]+>\\n/ {_value_rule(f'{k}_any', more, defs, rules)}")
+            parts.append(f"param_{k}_any*")
         rules.append(f"params_{k}: {' '.join(parts) or _lit('')}")
         rules.append(f"call_{k}: {_lit('<function=' + fn['name'] + '>' + NL)} params_{k}")
         names.append(fn["name"])

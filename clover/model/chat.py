@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -100,6 +101,46 @@ _ENV.globals["raise_exception"] = _raise
 _ENV.globals["range"] = _CountedRange
 
 
+def lone_surrogate(text: str) -> bool:
+    """Whether `text` holds a UTF-16 surrogate alone: not a character (JSON allows the escape, and bytes that are
+    not UTF-8 arrive so from the command line and standard input, through Python's surrogateescape)."""
+    return any("\ud800" <= ch <= "\udfff" for ch in text)
+
+
+def json_value(text: str) -> Any:
+    """`json.loads` of untrusted text (a model's call, a client's arguments): only finite numbers (NaN, Infinity and
+    1e999 are not JSON a strict parser reads back); every failure a ValueError (a JSONDecodeError or not: an integer
+    past Python's 4,300 digits, nesting deeper than the recursion limit)."""
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {number:.40} is out of range")
+        return value
+
+    def constant(name: str) -> float:
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        return json.loads(text, parse_float=finite, parse_constant=constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def strings_in(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value: the value itself, the items of lists and tuples, the keys and values of
+    dicts, at any depth."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
 def _check_messages(messages: list[dict]) -> list[dict]:
     """Check roles and contents (copies: OpenAI text parts joined, `reasoning` read as
     `reasoning_content` as transformers does). Tool-call arguments are left as they are."""
@@ -127,6 +168,14 @@ def _check_messages(messages: list[dict]) -> list[dict]:
                     not isinstance(fn.get("arguments", {}), (dict, str)):
                 raise ChatFormatError(f"messages[{i}].tool_calls[{j}] needs a function name (not empty) and "
                                       "arguments (an object or a JSON string)")
+            # `<function=NAME>` and `<parameter=KEY>` end at the first '>' or new line: a name or key holding
+            # one would write markup (another parameter) that the model reads as the call's own
+            args = fn.get("arguments")
+            bad = next((k for k in ([fn["name"]] + (list(args) if isinstance(args, dict) else []))
+                        if not isinstance(k, str) or not k.strip() or ">" in k or "\n" in k), None)
+            if bad is not None:
+                raise ChatFormatError(f"messages[{i}].tool_calls[{j}]: the name {bad!r:.80} (of the function or an "
+                                      "argument) must be non-empty without '>' or a new line")
         out.append(m)
     return out
 
@@ -146,16 +195,29 @@ def parse_tool_arguments(messages: list[dict]) -> list[dict]:
             args = fn.get("arguments") if isinstance(fn, dict) else None
             if isinstance(args, str):
                 try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError as exc:
+                    args = json_value(args) if args.strip() else {}
+                except ValueError as exc:
                     raise ChatFormatError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {exc}") \
-                        from exc
+                        from None
                 if not isinstance(args, dict):
                     raise ChatFormatError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
+                if any(lone_surrogate(s) for s in strings_in(args)):   # (escaped in the JSON text: "\\ud800")
+                    raise ChatFormatError(f"messages[{i}].tool_calls[{j}].function.arguments holds a lone UTF-16 "
+                                          "surrogate, which is not a character")
                 call = {**call, "function": {**fn, "arguments": args}}
             parsed.append(call)
         out.append({**m, "tool_calls": parsed})
     return out
+
+
+def extra_parameters(parameters: Any) -> dict | None:
+    """The schema of a tool's parameters that its `properties` do not name, where it takes any: a tool that declares
+    no properties and allows additional ones (`"additionalProperties": true` or a schema). None for every other
+    tool: its calls hold the parameters it declares (as OpenAI's strict mode asks)."""
+    if not isinstance(parameters, dict) or parameters.get("properties"):
+        return None
+    more = parameters.get("additionalProperties")
+    return {} if more is True else more if isinstance(more, dict) else None
 
 
 JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
@@ -197,6 +259,10 @@ def validate_tools(tools: list[dict] | None) -> list[dict]:
         required = params.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ChatFormatError(f"tools[{i}].function.parameters.required must be a list of property names")
+        bad = next((r for r in required if r not in props), None)
+        if bad is not None and extra_parameters(params) is None:   # (the call's grammar could not require it)
+            raise ChatFormatError(f"tools[{i}].function.parameters.required names {bad!r}, which is not in its "
+                                  "properties: declare it there")
     return tools
 
 
@@ -292,20 +358,20 @@ def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
     if written_raw(schema):
         if "string" in kinds and len(kinds) > 1:   # e.g. ["string", "null"]: a JSON value of another allowed
             try:                                    # type, or a JSON string, is read as JSON; else it is the text
-                parsed = json.loads(value)
-            except json.JSONDecodeError:
+                parsed = json_value(value)
+            except ValueError:
                 return value, None
             if isinstance(parsed, str) or (parsed is None and "null" in kinds):
                 return parsed, None
         return value, None
     if kind is None:  # a schema without a type (anyOf, enum, $ref...): JSON if it parses, else the text
         try:
-            return json.loads(value), None
-        except json.JSONDecodeError:
+            return json_value(value), None
+        except ValueError:
             return value, None
     try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
+        parsed = json_value(value)
+    except ValueError:
         return value, f"value {value!r:.40} is not valid JSON for type {kind}"
     checks = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
               "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -318,21 +384,28 @@ def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
 
 def parse_tool_call(body: str, tools: list[dict] | None) -> tuple[ToolCall | None, list[str]]:
     """The text between <tool_call> and </tool_call> -> a call with arguments typed by the tool schema."""
+    written = _written_call(body + CALL_CLOSE, 0)
+    if isinstance(written, tuple):
+        return typed_call(written[1], written[2], tools)
     m = _FUNCTION.fullmatch(body)
     if not m or not m.group(1).strip():   # no name: not a call a client could send back in its history
         return None, [f"malformed tool call: {body.strip()!r:.80}"]
-    name = m.group(1).strip()
+    return typed_call(m.group(1).strip(), [(k.strip(), v) for k, v in _PARAM.findall(m.group(2))], tools)
+
+
+def typed_call(name: str, params: list[tuple[str, str]], tools: list[dict] | None) -> tuple[ToolCall, list[str]]:
+    """A call from its name and its (key, value as written) pairs, each value typed by the tool's schema."""
     schemas = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools or []}
     errors = []
     if tools and name not in schemas:
         errors.append(f"call to unknown function {name!r}")
     props = schemas.get(name, {}).get("properties", {})
+    more = extra_parameters(schemas.get(name))
     args: dict[str, Any] = {}
-    for key, raw in _PARAM.findall(m.group(2)):
-        key = key.strip()
-        if tools and name in schemas and key not in props:
+    for key, raw in params:
+        if tools and name in schemas and key not in props and more is None:
             errors.append(f"{name}: unknown parameter {key!r}")
-        value, err = _convert(raw, props.get(key))
+        value, err = _convert(raw, props.get(key, more))
         if err:
             errors.append(f"{name}.{key}: {err}")
         args[key] = value
@@ -340,6 +413,53 @@ def parse_tool_call(body: str, tools: list[dict] | None) -> tuple[ToolCall | Non
     if missing:
         errors.append(f"{name}: missing required parameter(s) {missing}")
     return ToolCall(name, args), errors
+
+
+_NAME = re.compile(r"[^>\n]*")
+_PARAM_OPEN, _PARAM_CLOSE = "<parameter=", "\n</parameter>\n"
+_FUNCTION_CLOSE = "</function>\n"
+
+
+def _named(text: str, pos: int, opener: str) -> tuple[int, str] | int | None:
+    """`opener`, a name and ">\n" at `pos`: (the position after them, the name); -1 where the text ends inside
+    them; None where it differs."""
+    if not text.startswith(opener, pos):
+        return -1 if opener.startswith(text[pos:]) else None
+    start = pos + len(opener)
+    end = _NAME.match(text, start).end()
+    name = text[start:end].strip()
+    if text.startswith(">\n", end) and name:
+        return end + 2, name
+    return -1 if text[end:] in ("", ">") else None
+
+
+def _written_call(text: str, body: int) -> tuple[int, str, list[tuple[str, str]]] | int | None:
+    """The call whose body starts at `body`, read exactly as the template writes it and the grammar holds it:
+    "\n<function=NAME>\n", then for each parameter "<parameter=KEY>\n" VALUE "\n</parameter>\n", where a value
+    ends at the first "\n</parameter>\n" whatever markup it holds (a file's content may hold a whole call), then
+    "</function>\n" and `</tool_call>`. (Where its `</tool_call>` starts, the name, the (key, value) pairs); -1
+    while the text so far may still become such a call; None where it is not one (`_call_end` then reads it as
+    loosely written markup)."""
+    head = _named(text, body, "\n<function=")
+    if not isinstance(head, tuple):
+        return head
+    pos, name = head
+    params = []
+    while True:
+        if text.startswith(_FUNCTION_CLOSE + CALL_CLOSE, pos):
+            return pos + len(_FUNCTION_CLOSE), name, params
+        if not text.startswith(_PARAM_OPEN, pos):
+            rest = text[pos:]
+            return -1 if (_FUNCTION_CLOSE + CALL_CLOSE).startswith(rest) or _PARAM_OPEN.startswith(rest) else None
+        opened = _named(text, pos, _PARAM_OPEN)
+        if not isinstance(opened, tuple):
+            return opened
+        start, key = opened
+        close = text.find(_PARAM_CLOSE, start)
+        if close < 0:
+            return -1
+        params.append((key, text[start:close]))
+        pos = close + len(_PARAM_CLOSE)
 
 
 def _call_end(text: str, body: int, final: bool) -> int:
@@ -419,13 +539,18 @@ def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool, call
             parts.append(tail)
             break
         parts.append(text[pos:start])
-        end = _call_end(text, start + len(CALL_OPEN), final)
+        body = start + len(CALL_OPEN)
+        written = _written_call(text, body)
+        if written == -1 and not final:
+            break
+        end = written[0] if isinstance(written, tuple) else _call_end(text, body, final)
         if end < 0:
             if final:   # cut short (max_tokens): the text stays in the content, as vLLM's parsers leave it
                 errors.append(f"unterminated tool call: {text[start:]!r:.80}")
                 parts.append(text[start:])
             break
-        call, errs = parse_tool_call(text[start + len(CALL_OPEN): end], tools)
+        call, errs = typed_call(*written[1:], tools) if isinstance(written, tuple) else \
+            parse_tool_call(text[body:end], tools)
         errors.extend(errs)
         if call is not None:
             found.append(call)

@@ -13,14 +13,14 @@ import os
 import re
 import secrets
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from clover.model.chat import DEFAULT_CHAT_TEMPLATE, parse_tool_arguments, render_chat
+from clover.model.chat import DEFAULT_CHAT_TEMPLATE, lone_surrogate, parse_tool_arguments, render_chat, strings_in
 from clover.model.files import MAX_SETTINGS_BYTES, read_json, read_text
 
 EOS_TOKEN = "<|endoftext|>"
@@ -61,11 +61,15 @@ def read_chat_template(directory: str | os.PathLike) -> str:
     return template
 
 
-def _arguments(call: Any) -> dict:
-    """A tool call's arguments where they are an object (after `parse_tool_arguments`), else {}."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    args = fn.get("arguments") if isinstance(fn, dict) else None
-    return args if isinstance(args, dict) else {}
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """A JSON-like value with `fn` applied to every string in it (dict keys included), at any depth."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(v, fn) for v in value)
+    return value
 
 
 @functools.cache
@@ -76,12 +80,6 @@ def _byte_of_char() -> dict[str, int]:
                  *range(ord("\u00ae"), ord("\u00ff") + 1)]
     shifted = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
-
-
-def lone_surrogate(text: str) -> bool:
-    """Whether `text` holds a UTF-16 surrogate alone: not a character (JSON allows the escape, and bytes that are
-    not UTF-8 arrive so from the command line and standard input, through Python's surrogateescape)."""
-    return any("\ud800" <= ch <= "\udfff" for ch in text)
 
 
 class TokenizerError(ValueError):
@@ -97,6 +95,8 @@ class Tokenizer:
         if missing:
             raise TokenizerError(f"tokenizer lacks the special token(s) {missing}")
         self.special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+        # a special token's text (longest first, so that none is matched by a shorter one inside it)
+        self._special_text = re.compile("|".join(map(re.escape, sorted(self.special_ids, key=len, reverse=True))))
 
     # -- ids --------------------------------------------------------------------------------------------
     @property
@@ -169,47 +169,36 @@ class Tokenizer:
         enable_thinking: bool = True, suffix: str = "", **extra: Any,
     ) -> list[int]:
         """Ids of the rendered conversation (+ `suffix`, trusted template text) in which special tokens come
-        only from the template: a special token written inside a message's content or reasoning is
-        encoded as plain text, so user text cannot close a turn, open a system turn or insert a mask.
-        Conversations without such text encode exactly as `encode(apply_chat_template(...))`."""
-        fields = ("content", "reasoning_content", "reasoning")
-        specials = list(self.special_ids)
-        messages = parse_tool_arguments(messages)   # (string argument values are untrusted text too)
-        texts = [m[f] for m in messages for f in fields if isinstance(m.get(f), str)]
-        texts += [v for m in messages for c in m.get("tool_calls") or [] for v in _arguments(c).values()
-                  if isinstance(v, str)]
-        if not any(sp in t for t in texts for sp in specials):
+        only from the template: a special token's text anywhere in what the caller gives (a message's content
+        or reasoning, a tool call's name, keys and values at any depth, the tools' names, descriptions and
+        schemas) is encoded as plain text, so no such text can close a turn, open a system turn or insert a
+        mask. Conversations without such text encode exactly as `encode(apply_chat_template(...))`."""
+        messages = parse_tool_arguments(messages)
+        if not any(self._special_text.search(s) for s in strings_in((messages, tools, list(extra.values())))):
             return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking,
                                                         **extra) + suffix)
-        # render with each untrusted text replaced by a marker, then encode the pieces apart
-        nonce = secrets.token_hex(8)  # no text can hold this marker by chance
-        originals: list[str] = []
-        marked = []
-        for m in messages:
-            m = dict(m)
-            for f in fields:
-                if isinstance(m.get(f), str) and m[f]:  # the template tests these for emptiness
-                    originals.append(m[f])
-                    m[f] = f"<{nonce}:{len(originals) - 1}>"
-            calls = []
-            for call in m.get("tool_calls") or []:   # string values render raw; other values as JSON
-                args = dict(_arguments(call))
-                for key, value in args.items():
-                    if isinstance(value, str) and value:
-                        originals.append(value)
-                        args[key] = f"<{nonce}:{len(originals) - 1}>"
-                calls.append({**call, "function": {**call["function"], "arguments": args}} if args else call)
-            if calls:
-                m["tool_calls"] = calls
-            marked.append(m)
-        rendered = self.apply_chat_template(marked, tools, add_generation_prompt, enable_thinking, **extra) + suffix
+        render_chat(self.chat_template, messages, tools)   # (errors name the texts as given, not as marked below)
+        # render with each special token's text in a given string replaced by a marker, then encode the text
+        # between markers as usual and each marked one as plain characters
+        nonce = secrets.token_hex(8)   # no text can hold this marker by chance
+        marked: list[str] = []
+
+        def mark(match: re.Match) -> str:
+            marked.append(match.group())
+            return f"<{nonce}:{len(marked) - 1}>"
+
+        def marked_in(value: Any) -> Any:
+            return _map_strings(value, lambda s: self._special_text.sub(mark, s))
+
+        messages, tools, extra = marked_in(messages), marked_in(tools), {k: marked_in(v) for k, v in extra.items()}
+        rendered = self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking, **extra) + suffix
         if self._plain is None:
             self._plain = HFTokenizer.from_str(self.tk.to_str())
             self._plain.encode_special_tokens = True
         ids: list[int] = []
         for i, piece in enumerate(re.split(f"<{nonce}:(\\d+)>", rendered)):
-            if i % 2:  # an untrusted text
-                ids += self._plain.encode(originals[int(piece)], add_special_tokens=False).ids
+            if i % 2:  # a special token's text that the caller gave
+                ids += self._plain.encode(marked[int(piece)], add_special_tokens=False).ids
             elif piece:
                 ids += self.encode(piece)
         return ids

@@ -47,7 +47,7 @@ from clover.engine.structured import Constraint
 from clover.model.chat import ChatFormatError, OutputDelta, StreamingParser
 from clover.model.config import GenerationConfig
 from clover.model.modeling import CloverForCausalLM
-from clover.model.tokenizer import Tokenizer
+from clover.model.tokenizer import Tokenizer, TokenizerError
 from clover.serving.async_engine import AsyncEngine, QueueFull, ShuttingDown
 from clover.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from clover.serving.metrics import ServerMetrics
@@ -533,7 +533,10 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                             item["logprobs"] = logprobs
                         yield chunk([item])
                     if done:
-                        yield chunk([{"index": c.index, "delta": {}, "finish_reason": finish_reason(c)}])
+                        last = {"index": c.index, "delta": {}, "finish_reason": finish_reason(c)}
+                        if delta.errors:   # (as the whole reply's choice carries them)
+                            last["clover_parse_errors"] = delta.errors
+                        yield chunk([last])
             except Exception as exc:  # noqa: BLE001 - reported in the stream, the headers are gone
                 yield error_event(_start_error(exc))
                 return
@@ -704,7 +707,7 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                 ids = await asyncio.to_thread(tokenizer.encode_chat, messages_from(req.messages), tools=tools_from(req.tools),
                                               add_generation_prompt=req.add_generation_prompt,
                                               enable_thinking=thinking_from(req.chat_template_kwargs))
-            except ChatFormatError as exc:
+            except (ChatFormatError, TokenizerError) as exc:
                 raise APIError(400, str(exc), param="messages") from exc
         return {"count": len(ids), "max_model_len": ctx, "tokens": ids}
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from clover.engine.structured import Constraint, auto_tool_calls, grammar_error, tool_call_grammar
 from clover.model.chat import ChatFormatError, StreamingParser, validate_tools
-from clover.model.tokenizer import Tokenizer
+from clover.model.tokenizer import Tokenizer, TokenizerError
 from clover.serving.protocol import APIError, ChatRequest, MessageIn, NamedToolChoice, SamplingRequest, ToolDef
 
 
@@ -162,6 +162,6 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
     offered = tools if choice != "none" else None
     try:
         ids = tokenizer.encode_chat(messages_from(req.messages), tools=offered, enable_thinking=thinking, suffix=prefix)
-    except ChatFormatError as exc:
+    except (ChatFormatError, TokenizerError) as exc:
         raise APIError(400, str(exc), param="messages") from exc
     return ChatPrompt(ids, thinking, offered, prefix, constraint)

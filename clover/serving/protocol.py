@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticUndefined
 
-from clover.model.tokenizer import lone_surrogate
+from clover.model.chat import lone_surrogate, strings_in
 
 MAX_N = 8
 MAX_STOP_CHARS = 1024
@@ -262,28 +262,11 @@ def error_event(err: APIError) -> str:
     return sse_event({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
 
 
-def _lone_surrogate(data: Any) -> bool:
-    """Whether a string anywhere in parsed JSON holds a UTF-16 surrogate alone (JSON allows the escape;
-    it is not a character)."""
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if lone_surrogate(item):
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
 def parse_json_body(raw: bytes) -> Any:
     """A request body's JSON (blocking: run it off the event loop). Raises json.JSONDecodeError, also for
     text that is not Unicode (a lone surrogate), and RecursionError for nesting too deep to parse."""
     data = json.loads(raw)
-    if _lone_surrogate(data):
+    if any(lone_surrogate(s) for s in strings_in(data)):
         raise json.JSONDecodeError("a string holds a lone UTF-16 surrogate, which is not a character", "", 0)
     return data
 
