@@ -379,12 +379,18 @@ FINITE_NUMBER = r"/-?(0|[1-9][0-9]{0,99})(\.[0-9]{1,99})?([eE][+-]?[0-9]{1,2})?/
 NUMBER_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
 
 
-def _value_rule(tag: str, schema: dict, defs: dict, rules: list[str]) -> str:
+@functools.lru_cache(maxsize=256)   # (each request with tools asks again, of the same few schemas)
+def _json_problem(source: str) -> str | None:
+    return grammar_error(Constraint("json_schema", source))
+
+
+def _value_rule(tag: str, schema: dict, defs: dict, rules: list[str], loose: str | None = None) -> str:
     """The grammar of one parameter's value and the "\\n</parameter>\\n" after it (its rules added to `rules`): a
     string enum or const, or any text (of at most maxLength characters) where the value is written raw, a finite
     number, else JSON matching the schema. Of a raw string, minLength, pattern and format are not held: the value
     ends at the first "\\n</parameter>\\n", and a lexeme that held those could run past it (the parser would read
-    another value than the grammar let through)."""
+    another value than the grammar let through). With `loose` (the parameter's name, for the log), a JSON schema
+    outside llguidance's subset leaves this value free text rather than failing the whole grammar."""
     tail = _lit(NL + "</parameter>" + NL)
     if string_enum(schema) or isinstance(schema.get("const"), str):   # written raw, as strings are
         return "(" + " | ".join(_lit(e) for e in schema.get("enum", [schema.get("const")])) + f") {tail}"
@@ -400,12 +406,18 @@ def _value_rule(tag: str, schema: dict, defs: dict, rules: list[str]) -> str:
         return f"number_{tag} {tail}"
     own = schema.get("x-guidance")
     style = {**JSON_STYLE, "coerce_one_of": True, **(own if isinstance(own, dict) else {})}
-    rules.append(f"value_{tag}: %json {json.dumps({**defs, **schema, 'x-guidance': style})}")
+    source = json.dumps({**defs, **schema, 'x-guidance': style})
+    problem = _json_problem(source) if loose else None
+    if problem is not None:
+        log.warning("tool call parameter %s not held to its schema: %s", loose, problem)
+        rules.append(f"string_{tag}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
+        return f"string_{tag}"
+    rules.append(f"value_{tag}: %json {source}")
     return f"value_{tag} {tail}"
 
 
 def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open_id: int, close_id: int,
-                      opened: bool = True) -> str:
+                      opened: bool = True, loose: bool = False) -> str:
     """A Lark grammar (llguidance) for a tool call after its start: the parameters of `named` (whose
     `<function=...>` line is pre-filled), or one of the tools (after `<tool_call>` and a new line when
     `opened`, else after the `<tool_call>` token alone: a lazy grammar that starts where the reply opens a
@@ -414,7 +426,8 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
     `</parameter>` (at most maxLength characters; a lazy lexeme, so code with '<' passes) or one of its
     enum, written raw; so is a value whose type list holds "string" (["string", "null"]) or that has no
     schema, as the template writes such values and the parser reads them (`chat.written_raw`); other values are JSON
-    matching their schema (the tool's `$defs` in reach, oneOf read as anyOf)."""
+    matching their schema (the tool's `$defs` in reach, oneOf read as anyOf). With `loose`, a value whose schema is
+    outside llguidance's subset goes free (the other values and tools stay held); else the grammar fails."""
     rules, names = [], []
     for k, tool in enumerate(tools):
         fn = tool["function"]
@@ -425,12 +438,13 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
         parts = []
         for i, name in enumerate(props):
             value_schema = props[name] if isinstance(props[name], dict) else {}
-            value = _value_rule(f"{k}_{i}", value_schema, defs, rules)
+            value = _value_rule(f"{k}_{i}", value_schema, defs, rules, f"{fn['name']}.{name}" if loose else None)
             rules.append(f"param_{k}_{i}: {_lit(f'<parameter={name}>' + NL)} {value}")
             parts.append(f"param_{k}_{i}" + ("" if name in required else "?"))
         more = extra_parameters(schema)
         if more is not None:   # (a tool that names none of its parameters: any names, values of that schema)
-            rules.append(f"param_{k}_any: /<parameter=[^>\\n]+>\\n/ {_value_rule(f'{k}_any', more, defs, rules)}")
+            value = _value_rule(f"{k}_any", more, defs, rules, f"{fn['name']}.*" if loose else None)
+            rules.append(f"param_{k}_any: /<parameter=[^>\\n]+>\\n/ {value}")
             parts.append(f"param_{k}_any*")
         rules.append(f"params_{k}: {' '.join(parts) or _lit('')}")
         rules.append(f"call_{k}: {_lit('<function=' + fn['name'] + '>' + NL)} params_{k}")
@@ -451,7 +465,7 @@ def auto_tool_calls(tools: list[dict], tokenizer: Tokenizer, thinking: bool, par
     than the request being refused."""
     specials = tokenizer.special_ids
     held = Constraint("lark", tool_call_grammar(tools, None, parallel, specials["<tool_call>"],
-                                                specials["</tool_call>"], opened=False),
+                                                specials["</tool_call>"], opened=False, loose=True),
                       trigger=specials["<tool_call>"], not_before=specials["</think>"] if thinking else None)
     problem = grammar_error(held)
     if problem is not None:
