@@ -202,7 +202,7 @@ def test_a_reply_that_fails_is_said_once_and_fails_the_command(text_model, tmp_p
     tools.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"$ref": "#/nope"}}}}}]))
     warned = _run("generate", "hi", "--chat", "--tools", str(tools), "--model", text_model, "--max-new-tokens", "2")
-    assert warned.returncode == 0 and "tool calls not held to their schemas" in warned.stderr
+    assert warned.returncode == 0 and "tool call parameter f.x not held to its schema" in warned.stderr
 
 
 def test_generate_reads_standard_input_as_utf8_and_says_so_when_it_is_not(text_model):

@@ -651,11 +651,12 @@ def test_a_line_that_never_ends_is_cut_at_the_deadline_and_lines_and_replies_are
                 got.append(exc)
         reader = threading.Thread(target=read, daemon=True)   # (the old client never returned: not to hang the test)
         reader.start()
-        reader.join(2.0)
+        reader.join(10.0)   # (it ends at ~1.2 s; the old client never did)
     assert len(got) == 1 and isinstance(got[0], InfraError) and "took over 1 s and no reply began" in str(got[0]), got
-    with _mock_client(b"data: " + b"x" * (client_module.MAX_LINE_CHARS + 1)) as client, \
-            pytest.raises(InfraError, match="a line of over"):
-        stream_chat(client, "http://x/v1", {})
+    for end in (b"", b"\n"):   # a line still growing, and a whole one in one piece
+        with _mock_client(b"data: " + b"x" * (client_module.MAX_LINE_CHARS + 1) + end) as client, \
+                pytest.raises(InfraError, match="a line of over"):
+            stream_chat(client, "http://x/v1", {})
     monkeypatch.setattr(client_module, "MAX_REPLY_CHARS", 100)
     with _mock_client(ANSWER * 60) as client, pytest.raises(InfraError, match="the reply grew past 100 characters"):
         stream_chat(client, "http://x/v1", {})
@@ -697,16 +698,17 @@ def test_a_refused_endpoint_or_model_fails_the_command_before_a_report(tmp_path,
         common = ["--suite", "tools", "--tasks", "3", "--runs", "1"]
         assert cli_main(["eval", "agent", "--endpoint", url + "/v1", "--model", "n", *common,
                          "--out", str(tmp_path / "n")]) == 1
-        assert "serves 'm', not 'n'; check --model" in capsys.readouterr().err and not sent
-        assert not (tmp_path / "n").exists()
+        err = capsys.readouterr().err   # (a warning, then the first refusal ends the run)
+        assert "lists 'm', not 'n': check --model" in err and "refused a chat request (HTTP 401" in err
+        assert len(sent) == 1 and not (tmp_path / "n" / "report.md").exists()
         assert cli_main(["eval", "agent", "--endpoint", url + "/v1", "--model", "m", *common,
                          "--out", str(tmp_path / "m")]) == 1
         err = capsys.readouterr().err
-        assert "endpoint m refused a chat request (HTTP 401: " in err and "invalid key" in err and len(sent) == 1
+        assert "endpoint m refused a chat request (HTTP 401: " in err and "invalid key" in err and len(sent) == 2
         assert "Traceback" not in err and not (tmp_path / "m" / "report.md").exists()
         from clover.evaluation import bench
-        with pytest.raises(ValueError, match="lists 'm', not 'n'; check --model"):
-            bench.served_model(url + "/v1", "n", None)
+        assert bench.served_model(url + "/v1", "n", None) == "n"
+        assert "lists 'm', not 'n': check --model" in capsys.readouterr().err
 
 
 def _question_app(replies):
@@ -736,31 +738,35 @@ def _call_then_answer(arguments="{}"):
 def test_one_task_runs_failure_is_its_own_and_the_run_goes_on(tmp_path, monkeypatch):
     """Found by a hostile review: a garbage event, a tool that raised (the calculator on 1e400 / 3) or deeply nested
     tool arguments ended `clover eval agent` with a traceback and no report. Now garbage is an infrastructure error,
-    a tool's exception is the tool's error answer, bad arguments an invalid call, and anything else failing in a
-    task run (here the check) that run's harness_error, left out of quality like infrastructure errors."""
+    a tool's foreseeable failure (an overflow, a bad value) is the tool's error answer, bad arguments an invalid
+    call, and anything else failing in a task run (the check; a tool's bug, a TypeError: not the model's) that run's
+    harness_error, left out of quality like infrastructure errors."""
     def boom(*args):
         raise OverflowError("too large")
 
     envs = {"garbage": _probe_env(), "tool": _probe_env(call=boom), "deep": _probe_env(),
-            "check": _probe_env(check=lambda answer: {}["x"])}
+            "check": _probe_env(check=lambda answer: {}["x"]), "bug": _probe_env(call=lambda name, args: len(None))}
     tasks = [dataclasses.replace(_probe_task(env), id=q, prompt=[{"role": "user", "content": q}])
              for q, env in envs.items()]
     monkeypatch.setattr(harness, "suite_tasks", lambda suite, count: tasks)
     replies = {"garbage": lambda n: ["data: null\n\n"], "tool": _call_then_answer(),
-               "deep": _call_then_answer('{"a": ' + "[" * 100_000), "check": lambda n: [_sse({"content": "42"}, "stop")]}
+               "deep": _call_then_answer('{"a": ' + "[" * 100_000), "check": lambda n: [_sse({"content": "42"}, "stop")],
+               "bug": _call_then_answer()}
     with serve_in_thread(_question_app(replies)) as url:
         cfg = _cfg(url + "/v1", suites=("tools",), infra_retries=0)
         cfg.runs, cfg.conditions = 1, [{}]
         summary = harness.run_harness(cfg, tmp_path / "run")["default"]
     results = {r["task"]: r for r in map(json.loads, (tmp_path / "run" / "results.jsonl").read_text().splitlines())}
     assert {t: r["reason"] for t, r in results.items()} == {"garbage": "infrastructure_error", "tool": "success",
-                                                            "deep": "invalid_tool_call", "check": "harness_error"}
+                                                            "deep": "invalid_tool_call", "check": "harness_error",
+                                                            "bug": "harness_error"}
     assert "not a JSON object" in results["garbage"]["error"] and results["check"]["error"] == "KeyError: 'x'"
     steps = json.loads((tmp_path / "run" / "tasks" / "check" / "default" / "run0.json").read_text())["steps"]
     assert steps[0]["error"] == "KeyError: 'x'" and "Traceback" in steps[0]["traceback"]
     tool = json.loads((tmp_path / "run" / "tasks" / "tool" / "default" / "run0.json").read_text())["transcript"]
     assert tool[2] == {"role": "tool", "tool_call_id": "c0", "content": "error: OverflowError: too large"}
-    assert summary["quality_runs"] == 2 and summary["success_mean"] == 0.5 and summary["reasons"]["harness_error"] == 1
+    assert summary["quality_runs"] == 2 and summary["success_mean"] == 0.5 and summary["reasons"]["harness_error"] == 2
+    assert results["bug"]["error"].startswith("TypeError: ")
     assert "harness_error |" in (tmp_path / "run" / "report.md").read_text()
     assert synthetic.calculate("1" + "0" * 400 + "/3").startswith("error: ")   # (it raised OverflowError)
     assert synthetic.calculate("9" * 400 + "*" + "9" * 4000).startswith("error: ")
@@ -817,11 +823,17 @@ def test_bench_one_failed_request_is_its_own_record(monkeypatch):
                                                                   (True, None, 2)]
 
 
-def test_bench_refuses_a_prompts_file_whose_warm_up_prompts_would_be_measured(tmp_path, capsys):
+def test_bench_warms_up_with_prompts_the_measured_requests_do_not_send(tmp_path, monkeypatch):
     """A prompts file shorter than --num-prompts + --warmup sent the warm-up's prompts again among the measured
-    ones (answered faster by a server that caches prompts)."""
+    ones (answered faster by a server that caches prompts): the warm-up's are random ones now, the file cycled."""
+    from clover.evaluation import bench
+
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\ntwo\nthree\n")
-    assert cli_main(["bench", "serve", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1", "--num-prompts",
-                     "2", "--prompts-file", str(prompts)]) == 1
-    assert "holds 3 prompts, fewer than --num-prompts + --warmup (4)" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr(bench, "served_model", lambda endpoint, model, key: "m")
+    monkeypatch.setattr(bench, "run_bench", lambda endpoint, model, sent, *a: seen.setdefault("sent", sent) and {
+        "records": [], "wall_s": 1.0})
+    bench.bench_serve("http://x/v1", "m", 4, 5, 4, 1, None, 2, str(prompts), None, {}, None, None)
+    warm, measured = seen["sent"][:2], seen["sent"][2:]
+    assert measured == ["one", "two", "three", "one"] and not set(warm) & set(measured) and len(warm[0].split()) == 5

@@ -375,7 +375,7 @@ def _lit(text: str) -> str:
 
 # A number parameter without bounds: llguidance's JSON numbers take any exponent, and 1e999 is no double (Python reads
 # it as inf, which strict JSON cannot write back: `chat.json_value` refuses it). These are finite: below 1e199.
-FINITE_NUMBER = r"/-?(0|[1-9][0-9]{0,99})(\.[0-9]{1,99})?([eE][+-]?[0-9]{1,2})?/"
+FINITE_NUMBER = r"/-?(0|[1-9][0-9]{0,99})(\.[0-9]{1,99})?([eE](\+?[0-9]{1,2}|-[0-9]{1,3}))?/"
 NUMBER_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
 
 
@@ -392,8 +392,9 @@ def _value_rule(tag: str, schema: dict, defs: dict, rules: list[str], loose: str
     another value than the grammar let through). With `loose` (the parameter's name, for the log), a JSON schema
     outside llguidance's subset leaves this value free text rather than failing the whole grammar."""
     tail = _lit(NL + "</parameter>" + NL)
-    if string_enum(schema) or isinstance(schema.get("const"), str):   # written raw, as strings are
-        return "(" + " | ".join(_lit(e) for e in schema.get("enum", [schema.get("const")])) + f") {tail}"
+    if string_enum(schema):   # written raw, as strings are
+        values = [schema["const"]] if isinstance(schema.get("const"), str) else schema["enum"]
+        return "(" + " | ".join(map(_lit, values)) + f") {tail}"
     if written_raw(schema):
         # shortest match: the value ends at the first "\n</parameter>\n", which the lexeme takes too
         most = schema.get("maxLength")
@@ -435,6 +436,9 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
         props = schema.get("properties") or {}
         defs = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)}
         required = [p for p in schema.get("required") or [] if p in props]
+        if len(required) < len(schema.get("required") or []) and extra_parameters(schema) is None:
+            log.warning("tool %s requires parameters it does not declare (not held): %s", fn["name"],
+                        [p for p in schema["required"] if p not in props])
         parts = []
         for i, name in enumerate(props):
             value_schema = props[name] if isinstance(props[name], dict) else {}
@@ -444,7 +448,7 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
         more = extra_parameters(schema)
         if more is not None:   # (a tool that names none of its parameters: any names, values of that schema)
             value = _value_rule(f"{k}_any", more, defs, rules, f"{fn['name']}.*" if loose else None)
-            rules.append(f"param_{k}_any: /<parameter=[^>\\n]+>\\n/ {value}")
+            rules.append(f"param_{k}_any: /<parameter=[^>\\n]*[^>\\s][^>\\n]*>\\n/ {value}")
             parts.append(f"param_{k}_any*")
         rules.append(f"params_{k}: {' '.join(parts) or _lit('')}")
         rules.append(f"call_{k}: {_lit('<function=' + fn['name'] + '>' + NL)} params_{k}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -147,16 +148,18 @@ def summarise(records: list[RequestRecord], wall: float, ttft_limit: float | Non
 
 def served_model(endpoint: str, model: str | None, api_key: str | None) -> str:
     """`model`, or the first model id ENDPOINT/models lists; a clear error, before any request is timed, when
-    the endpoint cannot be reached, (without `model`) lists none or lists others than `model`."""
+    the endpoint cannot be reached or (without `model`) lists none; a warning where it lists others than `model`."""
     try:
         status, models = list_models(endpoint, api_key)
     except InfraError as exc:
         raise ValueError(str(exc)) from None
     if model is None and not models:
         raise ValueError(f"{endpoint.rstrip('/')}/models listed no model (HTTP {status}); give --model")
-    if model is not None and models and model not in models:   # (every request would be refused)
-        raise ValueError(f"{endpoint.rstrip('/')}/models lists {', '.join(map(repr, models[:5]))}, not {model!r}; "
-                         "check --model")
+    # a warning, not a refusal: a server that ignores the name (llama.cpp's) answers anyway; one that refuses it
+    # fails each request, listed with its error
+    if model is not None and models and model not in models:
+        print(f"warning: {endpoint.rstrip('/')}/models lists {', '.join(map(repr, models[:5]))}, not {model!r}: "
+              "check --model", file=sys.stderr)
     return model or models[0]
 
 
@@ -175,11 +178,10 @@ def bench_serve(endpoint: str, model: str | None, num_prompts: int, input_len: i
         lines = [x for x in read_text(prompts_file).splitlines() if x.strip()]
         if not lines:
             raise ValueError(f"{prompts_file} holds no prompts")
-        if warmup and len(lines) < num_prompts + warmup:   # (a server that caches prompts would answer them faster)
-            raise ValueError(f"{prompts_file} holds {len(lines)} prompts, fewer than --num-prompts + --warmup "
-                             f"({num_prompts + warmup}): measured requests would repeat the warm-up's; give more "
-                             "prompts, a smaller --num-prompts or --warmup 0")
-        prompts = [lines[i % len(lines)] for i in range(num_prompts + warmup)]
+        # the warm-up's prompts are random ones, never the file's: a server that caches prompts would answer the
+        # measured ones faster after a warm-up that sent them
+        prompts = [random_prompt(rng, input_len) for _ in range(warmup)] + \
+            [lines[i % len(lines)] for i in range(num_prompts)]
     else:
         prompts = [random_prompt(rng, input_len) for _ in range(num_prompts + warmup)]
     model = served_model(endpoint, model, api_key)

@@ -230,6 +230,8 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict, api_key: str | 
                 check_time()
                 *whole, rest = LINE_END.split(text)
                 for part in whole:
+                    if held + len(part) > MAX_LINE_CHARS:   # (a whole line may come in one piece)
+                        raise InfraError(f"the stream sent a line of over {MAX_LINE_CHARS} characters")
                     take("".join(pieces) + part)
                     pieces, held = [], 0
                     if ended:

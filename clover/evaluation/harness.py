@@ -23,6 +23,7 @@ import math
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -250,11 +251,12 @@ def _agent_loop(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht
 
 
 def _call_tool(env: Environment, name: str, args: dict) -> str:
-    """A tool's result; a tool that fails in a way of its own (a bug, an overflow) answers with the error, as the
-    tools report the errors they foresee, rather than ending the whole evaluation."""
+    """A tool's result; a tool that fails on its input in a way it did not foresee (an overflow, a value it cannot
+    take, the file system) answers with the error, as the tools report the errors they foresee. Any other
+    exception (a bug of the harness's tools) ends the task run as harness_error (`_attempt`): not the model's."""
     try:
         return env.call(name, args)
-    except Exception as exc:
+    except (ArithmeticError, ValueError, OSError, RecursionError) as exc:
         return f"error: {type(exc).__name__}: {exc}"
 
 
@@ -388,9 +390,11 @@ def _check_reachable(cfg: HarnessConfig, endpoint: Endpoint) -> None:
             if attempt == cfg.infra_retries:
                 raise ValueError(f"endpoint {endpoint.name}: {exc}") from None
             time.sleep(min(cfg.infra_backoff_s * 2 ** attempt, 10))
+    # a warning, not a refusal: a server that ignores the name (llama.cpp's) answers anyway, and one that refuses
+    # it ends the run at its first 404 (EndpointRefused)
     if models and endpoint.model not in models:
-        raise ValueError(f"endpoint {endpoint.name} serves {', '.join(map(repr, models[:5]))}, not "
-                         f"{endpoint.model!r}; check --model")
+        print(f"warning: endpoint {endpoint.name} lists {', '.join(map(repr, models[:5]))}, not "
+              f"{endpoint.model!r}: check --model", file=sys.stderr)
 
 
 def _attempt(client: httpx.Client, cfg: HarnessConfig, endpoint: Endpoint, ht: HarnessTask, condition: dict) -> dict:

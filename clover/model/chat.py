@@ -259,10 +259,6 @@ def validate_tools(tools: list[dict] | None) -> list[dict]:
         required = params.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ChatFormatError(f"tools[{i}].function.parameters.required must be a list of property names")
-        bad = next((r for r in required if r not in props), None)
-        if bad is not None and extra_parameters(params) is None:   # (the call's grammar could not require it)
-            raise ChatFormatError(f"tools[{i}].function.parameters.required names {bad!r}, which is not in its "
-                                  "properties: declare it there")
     return tools
 
 
@@ -337,9 +333,11 @@ ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "rea
 
 
 def string_enum(schema: dict) -> bool:
-    """Whether a parameter's schema is an enum of strings: its values are written raw, as strings are."""
+    """Whether a parameter's schema is an enum of strings or a string const: its values are written raw, as
+    strings are."""
     enum = schema.get("enum")
-    return isinstance(enum, list) and bool(enum) and all(isinstance(e, str) for e in enum)
+    return isinstance(schema.get("const"), str) or (
+        isinstance(enum, list) and bool(enum) and all(isinstance(e, str) for e in enum))
 
 
 def written_raw(schema: Any) -> bool:
@@ -382,11 +380,9 @@ def _convert(value: str, schema: dict | None) -> tuple[Any, str | None]:
     return parsed, None
 
 
-def parse_tool_call(body: str, tools: list[dict] | None) -> tuple[ToolCall | None, list[str]]:
-    """The text between <tool_call> and </tool_call> -> a call with arguments typed by the tool schema."""
-    written = _written_call(body + CALL_CLOSE, 0)
-    if isinstance(written, tuple):
-        return typed_call(written[1], written[2], tools)
+def _loose_call(body: str, tools: list[dict] | None) -> tuple[ToolCall | None, list[str]]:
+    """The text between <tool_call> and </tool_call> of a call not written as the template writes it (`_written_call`
+    read it first): a name and each `<parameter=KEY>` ending at a "</parameter>" before the next or the end."""
     m = _FUNCTION.fullmatch(body)
     if not m or not m.group(1).strip():   # no name: not a call a client could send back in its history
         return None, [f"malformed tool call: {body.strip()!r:.80}"]
@@ -550,7 +546,7 @@ def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool, call
                 parts.append(text[start:])
             break
         call, errs = typed_call(*written[1:], tools) if isinstance(written, tuple) else \
-            parse_tool_call(text[body:end], tools)
+            _loose_call(text[body:end], tools)
         errors.extend(errs)
         if call is not None:
             found.append(call)

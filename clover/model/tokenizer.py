@@ -177,7 +177,8 @@ class Tokenizer:
         if not any(self._special_text.search(s) for s in strings_in((messages, tools, list(extra.values())))):
             return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking,
                                                         **extra) + suffix)
-        render_chat(self.chat_template, messages, tools)   # (errors name the texts as given, not as marked below)
+        # (checked as given first: errors then name the texts as given, not as marked below)
+        self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking, **extra)
         # render with each special token's text in a given string replaced by a marker, then encode the text
         # between markers as usual and each marked one as plain characters
         nonce = secrets.token_hex(8)   # no text can hold this marker by chance
