@@ -379,9 +379,9 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
 
 
 def _check_reachable(cfg: HarnessConfig, endpoint: Endpoint) -> None:
-    """Fail before the first task run when an endpoint cannot be reached (with the task runs' retries) or lists
-    models without the one asked for: every run would otherwise fail, minutes later. Any HTTP answer to /models
-    will do otherwise."""
+    """Fail before the first task run when an endpoint cannot be reached (with the task runs' retries): every run
+    would otherwise fail, minutes later. Any HTTP answer to /models will do; a list without the model asked for
+    gets a warning."""
     for attempt in range(cfg.infra_retries + 1):
         try:
             _, models = list_models(endpoint.url, endpoint.api_key, timeout_s=min(cfg.request_timeout_s, 30.0))
