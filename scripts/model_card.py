@@ -359,9 +359,9 @@ def main() -> None:
             fams = ", ".join(f"{k} {v:.0%}" for k, v in r["by_family"].items())
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items()))
             measured = r.get("measured", r["tasks"])   # (infrastructure and harness errors are in reasons only)
-            tasks = r["tasks"] if measured == r["tasks"] else f"{r['tasks']} ({measured} measured)"
+            count = r["tasks"] if measured == r["tasks"] else f"{r['tasks']} ({measured} measured)"
             rate = "n/a" if r["success_rate"] is None else f"{r['success_rate']:.0%}"
-            lines.append(f"| {'on' if r['thinking'] else 'off'} | {tasks} | {rate} | {fams} | {reasons} |")
+            lines.append(f"| {'on' if r['thinking'] else 'off'} | {count} | {rate} | {fams} | {reasons} |")
     notes = Path(__file__).with_name("model_card_notes.md")
     if notes.is_file():
         text = notes.read_text()
