@@ -6,7 +6,7 @@
 # Every stage resumes where it stopped: after an interruption, run the same command again.
 # Training time depends on the CPU (2 cores; measured, stage wall time): 160 minutes on an AVX-512 EPYC in bf16
 # autocast (session 34); with EXT_STEPS=300, 1,015 minutes on an AVX2 EPYC at 2 GHz in fp32 (session 44, compiled);
-# 189 minutes on a Xeon with AMX in bf16 autocast, compiled (session 52: the shipped build). AR pretraining runs at ~3,200 tokens/s
+# 189 minutes on a Xeon with AMX in bf16 autocast, compiled (session 52: the shipped build), 191.7 when rebuilt (session 56). AR pretraining runs at ~3,200 tokens/s
 # on a Xeon with AMX (bf16, compiled), ~2,650 on the AVX-512 EPYC (fp32), 868 on the AVX2 EPYC (fp32, eager).
 # Override the step counts with the variables below.
 # Chat rows are packed with several conversations (--pack); SFT keeps code and English in the mix.
