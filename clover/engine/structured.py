@@ -392,15 +392,17 @@ def _value_rule(tag: str, schema: dict, defs: dict, rules: list[str], loose: str
     another value than the grammar let through). With `loose` (the parameter's name, for the log), a JSON schema
     outside llguidance's subset leaves this value free text rather than failing the whole grammar."""
     tail = _lit(NL + "</parameter>" + NL)
+
+    def text(bound: str) -> str:   # shortest match: the value ends at the first "\n</parameter>\n", which it takes too
+        rules.append(f"string_{tag}[lazy]: /(?s:.{bound})\\n<\\/parameter>\\n/")
+        return f"string_{tag}"
+
     if string_enum(schema):   # written raw, as strings are
         values = [schema["const"]] if isinstance(schema.get("const"), str) else schema["enum"]
         return "(" + " | ".join(map(_lit, values)) + f") {tail}"
     if written_raw(schema):
-        # shortest match: the value ends at the first "\n</parameter>\n", which the lexeme takes too
         most = schema.get("maxLength")
-        bound = f"{{0,{most}}}" if type(most) is int and most >= 0 else "*"
-        rules.append(f"string_{tag}[lazy]: /(?s:.{bound})\\n<\\/parameter>\\n/")
-        return f"string_{tag}"
+        return text(f"{{0,{most}}}" if type(most) is int and most >= 0 else "*")
     if schema.get("type") == "number" and not (set(schema) & NUMBER_BOUNDS) and "enum" not in schema \
             and "const" not in schema:
         rules.append(f"number_{tag}: {FINITE_NUMBER}")
@@ -411,8 +413,7 @@ def _value_rule(tag: str, schema: dict, defs: dict, rules: list[str], loose: str
     problem = _json_problem(source) if loose else None
     if problem is not None:
         log.warning("tool call parameter %s not held to its schema: %s", loose, problem)
-        rules.append(f"string_{tag}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
-        return f"string_{tag}"
+        return text("*")
     rules.append(f"value_{tag}: %json {source}")
     return f"value_{tag} {tail}"
 
@@ -436,9 +437,9 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
         props = schema.get("properties") or {}
         defs = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)}
         required = [p for p in schema.get("required") or [] if p in props]
-        if len(required) < len(schema.get("required") or []) and extra_parameters(schema) is None:
-            log.warning("tool %s requires parameters it does not declare (not held): %s", fn["name"],
-                        [p for p in schema["required"] if p not in props])
+        undeclared = [p for p in schema.get("required") or [] if p not in props]
+        if undeclared and extra_parameters(schema) is None:
+            log.warning("tool %s requires parameters it does not declare (not held): %s", fn["name"], undeclared)
         parts = []
         for i, name in enumerate(props):
             value_schema = props[name] if isinstance(props[name], dict) else {}
@@ -464,9 +465,9 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool, open
 
 def auto_tool_calls(tools: list[dict], tokenizer: Tokenizer, thinking: bool, parallel: bool = True) -> Constraint | None:
     """The lazy grammar of a reply that may call `tools` (tool_choice "auto"): free until it opens a call
-    (after its reasoning when `thinking`), then `tool_call_grammar` for that call and any after it. None
-    (with a warning) where a schema is outside what the grammar can hold: the calls then go free rather
-    than the request being refused."""
+    (after its reasoning when `thinking`), then `tool_call_grammar` for that call and any after it; a value whose
+    schema llguidance cannot hold goes free there (with a warning). None (with a warning) where the grammar still
+    does not compile: the calls then go free rather than the request being refused."""
     specials = tokenizer.special_ids
     held = Constraint("lark", tool_call_grammar(tools, None, parallel, specials["<tool_call>"],
                                                 specials["</tool_call>"], opened=False, loose=True),

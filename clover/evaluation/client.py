@@ -88,7 +88,7 @@ def _is_text(x: Any) -> bool:
     return x is None or isinstance(x, str)
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -99,7 +99,7 @@ def _server_fault(error: Any) -> bool:
     code = error.get("code")
     code = int(code) if isinstance(code, str) and code.isdigit() and len(code) == 3 else code
     return (str(error.get("type")).lower() in SERVER_ERROR_TYPES
-            or (_is_int(code) and (500 <= code <= 599 or code == 429)))
+            or (is_int(code) and (500 <= code <= 599 or code == 429)))
 
 
 def _is_call(tc: Any) -> bool:
@@ -107,7 +107,7 @@ def _is_call(tc: Any) -> bool:
     if not isinstance(tc, dict):
         return False
     fn = tc.get("function") or {}
-    return (_is_int(tc.get("index", 0)) and _is_text(tc.get("id")) and isinstance(fn, dict)
+    return (is_int(tc.get("index", 0)) and _is_text(tc.get("id")) and isinstance(fn, dict)
             and _is_text(fn.get("name")) and _is_text(fn.get("arguments")))
 
 
@@ -117,7 +117,7 @@ def _shape_problem(data: Any) -> str | None:
     if not isinstance(data, dict):
         return "is not a JSON object"
     usage = data.get("usage")
-    if usage is not None and not (isinstance(usage, dict) and all(usage.get(k) is None or _is_int(usage[k])
+    if usage is not None and not (isinstance(usage, dict) and all(usage.get(k) is None or is_int(usage[k])
                                                                   for k in USAGE_COUNTS)):
         return "has a usage that is not an object of token counts"
     choices = data.get("choices", [])

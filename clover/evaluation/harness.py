@@ -37,6 +37,7 @@ from clover.evaluation.client import (
     ModelError,
     OutOfTime,
     StreamedReply,
+    is_int,
     list_models,
     stream_chat,
 )
@@ -115,10 +116,6 @@ class HarnessConfig:
         return f"{endpoint.name}: {name}" if len(self.endpoints) > 1 else name
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _condition_problem(condition: dict) -> str | None:
     """What is wrong with a condition (None: nothing): a field the harness fixes (FIXED_FIELDS), or one of Clover's
     decoding fields of the wrong kind (the server would refuse every request, or the report could not order it)."""
@@ -128,7 +125,7 @@ def _condition_problem(condition: dict) -> str | None:
     if "algorithm" in condition and not (isinstance(condition["algorithm"], str) and condition["algorithm"]):
         return "algorithm must be a name such as \"ar\" or \"low_confidence\""
     for key in ("block_size", "max_accept_per_step"):
-        if key in condition and not (_is_int(condition[key]) and condition[key] >= 1):
+        if key in condition and not (is_int(condition[key]) and condition[key] >= 1):
             return f"{key} must be a positive integer (leave it out for the server's default)"
     threshold = condition.get("threshold", 0)
     if not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and 0 <= threshold <= 1):
@@ -535,7 +532,7 @@ def _block_order(params: dict) -> int:
     """Where a condition goes among block sizes: ar first, then by block size (0: the server's default, or a
     size that is not a number, from a run older than conditions were checked)."""
     size = params.get("block_size")
-    return -1 if params.get("algorithm") == "ar" else size if _is_int(size) else 0
+    return -1 if params.get("algorithm") == "ar" else size if is_int(size) else 0
 
 
 def _block_label(params: dict) -> str:

@@ -537,16 +537,19 @@ def _scan(text: str, thinking: bool, tools: list[dict] | None, final: bool, call
         parts.append(text[pos:start])
         body = start + len(CALL_OPEN)
         written = _written_call(text, body)
-        if written == -1 and not final:
+        if isinstance(written, tuple):
+            end, name, params = written
+            call, errs = typed_call(name, params, tools)
+        elif written == -1 and not final:
             break
-        end = written[0] if isinstance(written, tuple) else _call_end(text, body, final)
-        if end < 0:
-            if final:   # cut short (max_tokens): the text stays in the content, as vLLM's parsers leave it
-                errors.append(f"unterminated tool call: {text[start:]!r:.80}")
-                parts.append(text[start:])
-            break
-        call, errs = typed_call(*written[1:], tools) if isinstance(written, tuple) else \
-            _loose_call(text[body:end], tools)
+        else:
+            end = _call_end(text, body, final)
+            if end < 0:
+                if final:   # cut short (max_tokens): the text stays in the content, as vLLM's parsers leave it
+                    errors.append(f"unterminated tool call: {text[start:]!r:.80}")
+                    parts.append(text[start:])
+                break
+            call, errs = _loose_call(text[body:end], tools)
         errors.extend(errs)
         if call is not None:
             found.append(call)

@@ -20,7 +20,14 @@ from typing import Any
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from clover.model.chat import DEFAULT_CHAT_TEMPLATE, lone_surrogate, parse_tool_arguments, render_chat, strings_in
+from clover.model.chat import (
+    DEFAULT_CHAT_TEMPLATE,
+    ChatFormatError,
+    lone_surrogate,
+    parse_tool_arguments,
+    render_chat,
+    strings_in,
+)
 from clover.model.files import MAX_SETTINGS_BYTES, read_json, read_text
 
 EOS_TOKEN = "<|endoftext|>"
@@ -177,8 +184,6 @@ class Tokenizer:
         if not any(self._special_text.search(s) for s in strings_in((messages, tools, list(extra.values())))):
             return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking,
                                                         **extra) + suffix)
-        # (checked as given first: errors then name the texts as given, not as marked below)
-        self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking, **extra)
         # render with each special token's text in a given string replaced by a marker, then encode the text
         # between markers as usual and each marked one as plain characters
         nonce = secrets.token_hex(8)   # no text can hold this marker by chance
@@ -191,8 +196,12 @@ class Tokenizer:
         def marked_in(value: Any) -> Any:
             return _map_strings(value, lambda s: self._special_text.sub(mark, s))
 
-        messages, tools, extra = marked_in(messages), marked_in(tools), {k: marked_in(v) for k, v in extra.items()}
-        rendered = self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking, **extra) + suffix
+        try:
+            rendered = self.apply_chat_template(marked_in(messages), marked_in(tools), add_generation_prompt,
+                                                enable_thinking, **{k: marked_in(v) for k, v in extra.items()}) + suffix
+        except ChatFormatError:   # (said again of the texts as given: the error names them, not their markers)
+            self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking, **extra)
+            raise
         if self._plain is None:
             self._plain = HFTokenizer.from_str(self.tk.to_str())
             self._plain.encode_special_tokens = True
