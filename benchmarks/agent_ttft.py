@@ -2,12 +2,15 @@
 
 A conversation of --turns turns: each turn's prompt is the previous prompt, the model's reply to it
 and a new message of --message tokens (as an agent resends its history), so the history grows to
-about turns x (message + reply) tokens. The same conversation runs on an engine with the prefix
-cache and on one without, in the same process; per turn: TTFT (request added -> first token or
-block out), prompt tokens, tokens restored from the cache. Greedy, end-of-sequence ignored, random
-message tokens. Prints its conditions, a table, and one JSON line last.
+about turns x (message + reply) tokens. The same conversation runs on an engine without the prefix
+cache and on one with it for each --state-every (GDN states after every that many blocks, besides
+prompts' ends and frontiers: `clover.engine.prefix_cache`; 1: every block), in the same process; per
+turn: TTFT (request added -> first token or block out), prompt tokens, tokens restored from the cache;
+per cache, the bytes it holds at the end. Greedy, end-of-sequence ignored, random message tokens.
+Prints its conditions, a table, and one JSON line last.
 
     python benchmarks/agent_ttft.py [--model DIR] [--turns 10] [--message 300] [--reply 32] [--algorithm ar]
+                                    [--prefix-cache-bytes N] [--state-every 16,1]
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=32, help="tokens the model writes per turn")
     ap.add_argument("--algorithm", default="ar", help="ar, low_confidence or verify")
     ap.add_argument("--prefix-cache-bytes", type=int, default=256 << 20)
+    ap.add_argument("--state-every", default="16", help="comma-separated intervals of GDN states, one cache each")
     args = ap.parse_args()
+    intervals = [int(x) for x in args.state_every.split(",")]
     if args.model:
         model, source = load_checkpoint(args.model, dtype="float32"), args.model
     else:
@@ -67,21 +72,29 @@ def main() -> None:
                   "threads": torch.get_num_threads(), "model": source, "dtype": "float32", "batch": 1,
                   "turns": args.turns, "message_tokens": args.message, "reply_tokens": args.reply,
                   "algorithm": args.algorithm, "block_size": model.config.block_size,
-                  "prefix_cache_bytes": args.prefix_cache_bytes}
+                  "prefix_cache_bytes": args.prefix_cache_bytes, "state_every": intervals}
     print("conditions:", json.dumps(conditions))
     Engine(model).generate([messages[0][:64]], params.with_(max_new_tokens=2))  # warm-up
     cold = conversation(Engine(model), messages, params)
-    warm_engine = Engine(model, prefix_cache_bytes=args.prefix_cache_bytes)
-    warm = conversation(warm_engine, messages, params)
-    print(f"\n{'turn':>4} {'prompt':>7} {'TTFT no cache':>14} {'TTFT cache':>11} {'restored':>9}")
-    for c, w in zip(cold, warm, strict=True):
-        print(f"{c['turn']:>4} {c['prompt_tokens']:>7} {c['ttft_s'] * 1000:>11.1f} ms {w['ttft_s'] * 1000:>8.1f} ms "
-              f"{w['cached_tokens']:>9}")
-    summary = {"last_over_first_ttft_cache": warm[-1]["ttft_s"] / warm[0]["ttft_s"],
-               "last_over_first_ttft_no_cache": cold[-1]["ttft_s"] / cold[0]["ttft_s"],
-               "prefix_cache": warm_engine.prefix.stats.to_dict(), "prefix_cache_bytes_held": warm_engine.prefix.nbytes}
+    warm, caches = {}, {}
+    for every in intervals:
+        engine = Engine(model, prefix_cache_bytes=args.prefix_cache_bytes, prefix_state_every=every)
+        warm[every] = conversation(engine, messages, params)
+        caches[every] = {**engine.prefix.stats.to_dict(), "bytes_held": engine.prefix.nbytes}
+    head = "".join(f" {'TTFT /' + str(e):>10} {'restored':>8}" for e in intervals)
+    print(f"\n{'turn':>4} {'prompt':>7} {'TTFT no cache':>14}{head}")
+    for t, c in enumerate(cold):
+        cells = "".join(f" {warm[e][t]['ttft_s'] * 1000:>7.1f} ms {warm[e][t]['cached_tokens']:>8}" for e in intervals)
+        print(f"{c['turn']:>4} {c['prompt_tokens']:>7} {c['ttft_s'] * 1000:>11.1f} ms{cells}")
+    for e in intervals:
+        print(f"states every {e} block(s): {caches[e]['bytes_held'] / 2**20:.1f} MiB held, "
+              f"{caches[e]['snapshots']} GDN states, {caches[e]['tokens_reused']} tokens restored, "
+              f"{caches[e]['evictions']} evictions")
+    summary = {"last_over_first_ttft_no_cache": cold[-1]["ttft_s"] / cold[0]["ttft_s"],
+               **{f"state_every_{e}": {"last_over_first_ttft_cache": warm[e][-1]["ttft_s"] / warm[e][0]["ttft_s"],
+                                       "prefix_cache": caches[e]} for e in intervals}}
     print(json.dumps({"benchmark": "agent_ttft", "conditions": conditions, "summary": summary,
-                      "no_cache": cold, "cache": warm}))
+                      "no_cache": cold, "cache": {str(e): warm[e] for e in intervals}}))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import perturbed_model
 
 from clover.model.config import CloverConfig
-from clover.model.modeling import LMHead
+from clover.model.modeling import GDNTrace, LMHead
 from clover.model.testing import assert_close
 
 ATOL = 2e-5  # fp32 through a few layers; observed errors are ~3e-7
@@ -420,10 +420,10 @@ def _compare_compiled_with_eager(config: CloverConfig, passes: tuple[str, ...]) 
                 both(lambda m, c, tok=tok: m.causal(tok, c, rows=slice(1, 3), logits="last"))
             # a step asked for the GDN trace runs eagerly on the compiled model (its graph fills none: it returned
             # an empty trace, found by a review; the engine never asks one of a one-token step)
-            traces: tuple[dict, dict] = ({}, {})
+            traces = (GDNTrace(chunks=[0]), GDNTrace(chunks=[0]))
             tok = torch.randint(0, 500, (3, 1))
             both(lambda m, c: m.causal(tok, c, logits="last", gdn_trace=traces[m is eager_model]))
-            assert traces[0] and traces[0].keys() == traces[1].keys()
+            assert traces[0].states and traces[0].states.keys() == traces[1].states.keys()
         block = torch.randint(0, 500, (3, 8))
         block[:, ::2] = mask_id
         lengths = torch.tensor([8, 5, 8])

@@ -9,6 +9,7 @@ from clover.engine.policies import VerifyPolicy
 from clover.engine.prefix_cache import block_keys
 from clover.engine.sampling import SamplingParams
 from clover.model.config import CloverConfig
+from clover.model.modeling import GDNTrace
 
 ALGORITHMS = ("ar", "low_confidence", "verify")
 
@@ -32,10 +33,11 @@ def _params(algorithm: str, n: int = 14) -> SamplingParams:
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_hit_gives_the_same_output_as_a_cold_prefill(model, algorithm):
+    """With GDN states after every block (`prefix_state_every=1`): any whole-block prefix is restored."""
     shared = _tokens(37, 1)                               # 4 whole blocks and a tail of 5
     first, second = shared + _tokens(6, 2), shared + _tokens(11, 3)   # the second ends mid-block too
     cold = Engine(model)
-    warm = Engine(model, prefix_cache_bytes=64 << 20)
+    warm = Engine(model, prefix_cache_bytes=64 << 20, prefix_state_every=1)
     warm.generate([first], _params(algorithm))
     for prompt in (second, first, shared[:16], shared[:17]):   # sharing part, all, exactly on / past a boundary
         got = warm.generate([prompt], _params(algorithm))[0]
@@ -112,7 +114,7 @@ def test_chunk_states_of_an_input_starting_inside_a_chunk_fall_on_the_sequences_
 
 
 def test_restored_cache_equals_a_fresh_prefill(model):
-    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    engine = Engine(model, prefix_cache_bytes=64 << 20, prefix_state_every=1)
     prompt = _tokens(35, 6)
     engine.generate([prompt], _params("low_confidence", 2))
     keys = block_keys(prompt, 8)
@@ -251,7 +253,7 @@ def test_only_a_forward_crossing_a_block_boundary_before_its_end_asks_for_a_gdn_
             return _real(*args, **kw)
         monkeypatch.setattr(model, name, spy)
     prompt = _tokens(21, 6)                                    # two whole blocks of 8 and a tail of 5
-    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    engine = Engine(model, prefix_cache_bytes=64 << 20, prefix_state_every=1)
     got = engine.generate([prompt], _params(algorithm, 19))[0]
     assert asked[0] and not any(asked[1:]) and len(asked) > 2, asked
     assert got.token_ids == Engine(model).generate([prompt], _params(algorithm, 19))[0].token_ids
@@ -329,3 +331,95 @@ def test_move_row_carries_a_sequence_and_leaves_the_other_rows_alone(model):
         assert torch.equal(b[0, :, :12], a[2, :, :12]) and torch.equal(b[1:], a[1:])
     for a, b in zip(recurrent, [x for x in cache.states + cache.rings if x is not None], strict=True):
         assert torch.equal(b[0], a[2]) and torch.equal(b[1:], a[1:])
+
+
+# -- sparse GDN states ------------------------------------------------------------------------------------------
+
+
+def test_a_trace_holds_the_states_and_rings_of_the_chunks_asked_only(model):
+    """`GDNTrace(chunks)`: each GDN layer's state and conv ring at those block boundaries (counted from the one at or
+    before each row's start, here a row with 5 tokens cached and one with none), equal to a prefill up to there;
+    no other chunk's state is held."""
+    tokens = _tokens(40, 12)
+    cache = model.new_cache(2)
+    model.causal(torch.tensor([tokens[:5]]), cache, logits="none", rows=slice(1, 2))
+    ids = torch.tensor([tokens[:30], tokens[5:35]])
+    trace = GDNTrace(chunks=[1, 3])
+    model.causal(ids, cache, lengths=torch.tensor([30, 30]), logits="none", gdn_trace=trace)
+    gdn = [i for i, st in enumerate(cache.states) if st is not None]
+    assert sorted(trace.states) == sorted(trace.rings) == gdn and not trace.steps
+    for j, c in enumerate(trace.chunks):
+        ref = model.new_cache(1)
+        model.causal(torch.tensor([tokens[:8 * c]]), ref, logits="none")
+        for i in gdn:
+            assert trace.states[i].shape[2] == trace.rings[i].shape[1] == 2
+            for row in range(2):   # both rows hold the same tokens at the same absolute positions
+                torch.testing.assert_close(trace.states[i][row, :, j], ref.states[i][0], atol=1e-5, rtol=0)
+                torch.testing.assert_close(trace.rings[i][row, j], ref.rings[i][0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_gdn_states_are_kept_every_few_blocks_at_the_prompts_end_and_at_the_frontier(model, algorithm):
+    """K/V for every block; GDN states after every 5th block, the prompt's last whole block and the deepest block
+    the request reached (each block it went past as its frontier lost them again); a restore from any of them
+    equals a fresh prefill."""
+    engine = Engine(model, prefix_cache_bytes=64 << 20, prefix_state_every=5)
+    prompt = _tokens(61, 13)                                  # 7 whole blocks and a tail of 5
+    reply = engine.generate([prompt], _params(algorithm, 40))[0].token_ids
+    keys = [k for k in block_keys(prompt + reply, 8) if k in engine.prefix]
+    deepest = len(keys) - 1
+    assert deepest >= 11 and len(engine.prefix.entries) == len(keys)   # every committed block, K/V at least
+    held = [b for b, k in enumerate(keys) if engine.prefix.entries[k].states is not None]
+    assert held == sorted({4, 6, 9, deepest})
+    assert engine.prefix.stats.snapshots == len(held)
+    assert engine.prefix.nbytes == sum(e.nbytes for e in engine.prefix.entries.values())
+    for b in held:
+        cache, ref = model.new_cache(1), model.new_cache(1)
+        engine.prefix.restore(cache, 0, keys[: b + 1])
+        model.causal(torch.tensor([(prompt + reply)[: 8 * (b + 1)]]), ref, logits="none")
+        for layer in range(len(ref.keys)):
+            if ref.keys[layer] is None:
+                torch.testing.assert_close(cache.states[layer][0], ref.states[layer][0], atol=1e-5, rtol=0)
+                torch.testing.assert_close(cache.rings[layer][0], ref.rings[layer][0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_branch_point_found_by_a_lookup_is_restored_whole_by_the_next_prompt(model, algorithm):
+    """Prompts sharing 5 whole blocks (a system prompt) and then differing: the first leaves them as K/V only
+    (its states are at its own prompt's end, past the shared part), so the second starts from nothing but keeps
+    the states where its lookup stopped; the third restores the whole shared part. Outputs as without a cache."""
+    engine = Engine(model, prefix_cache_bytes=64 << 20)   # states every 16 blocks: none in these prompts
+    system = _tokens(40, 14)
+    prompts = [system + _tokens(12 + i, 15 + i) for i in range(3)]
+    got = [engine.generate([p], _params(algorithm))[0] for p in prompts]
+    for p, r in zip(prompts, got, strict=True):
+        assert r.token_ids == Engine(model).generate([p], _params(algorithm))[0].token_ids
+    assert [r.stats.cached_tokens for r in got] == [0, 0, 40]
+
+
+def test_a_request_drops_its_old_frontier_but_not_states_another_kept(model):
+    """`PrefixStore.insert(..., frontier=True)` then `drop_frontier`: the states (and their bytes) go, the K/V stay;
+    states inserted for good, or asked for good by another insert, are not dropped; a K/V-only block takes states."""
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    store, cache = engine.prefix, model.new_cache(1)
+    model.causal(torch.tensor([_tokens(24, 16)]), cache, logits="none")
+    keys = block_keys(_tokens(24, 16), 8)
+    state = ([s[0] if s is not None else None for s in cache.states], [r[0] if r is not None else None
+                                                                       for r in cache.rings])
+    assert not store.insert(keys[0], None, cache, 0, 0, None, None)               # K/V only
+    kv_bytes = store.nbytes
+    assert store.insert(keys[0], None, cache, 0, 0, *state, frontier=True)        # takes states
+    assert store.nbytes > kv_bytes and store.stats.snapshots == 1
+    store.drop_frontier(keys[0])
+    assert store.nbytes == kv_bytes and store.entries[keys[0]].states is None and store.stats.snapshots == 0
+    assert store.insert(keys[1], keys[0], cache, 0, 1, *state, frontier=True)
+    assert not store.insert(keys[1], keys[0], cache, 0, 1, *state, frontier=False)   # wanted for good now
+    store.drop_frontier(keys[1])
+    assert store.entries[keys[1]].states is not None
+    assert store.match(keys, 3) == (2, 2)
+
+
+@pytest.mark.parametrize("every", [0, -1, 1.5, True])
+def test_a_state_interval_that_is_not_a_whole_number_of_blocks_is_refused(model, every):
+    with pytest.raises(ValueError, match="state interval"):
+        Engine(model, prefix_cache_bytes=1 << 20, prefix_state_every=every)

@@ -405,7 +405,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or env or None
     serve(args.model, args.host, args.port, api_key, args.max_batch_size, args.max_queue, args.dtype,
           args.device, args.served_model_name, args.prefix_cache_bytes, args.max_prefill_tokens or None,
-          compile=args.compile)
+          compile=args.compile, prefix_state_every=args.prefix_cache_state_every)
     return 0
 
 
@@ -431,6 +431,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="the model id clients use (default: the directory name)")
     p.add_argument("--prefix-cache-bytes", type=nonnegative_int, default=256 << 20,
                    help="memory for prefixes kept across requests (default 256 MiB; 0 turns it off)")
+    p.add_argument("--prefix-cache-state-every", type=positive_int, default=16, metavar="BLOCKS",
+                   help="keep the Gated DeltaNet states of cached prefixes after every BLOCKS-th block, besides "
+                        "prompts' ends, branch points and each request's deepest block (default 16; 1: every block, "
+                        "each state costing many blocks' K/V: clover.engine.prefix_cache)")
     p.add_argument("--max-prefill-tokens", type=nonnegative_int, default=512,
                    help="prompt tokens prefilled per engine step; longer prompts are prefilled in chunks between "
                         "the other requests' steps (default 512; 0: no limit)")

@@ -39,7 +39,7 @@ from clover.engine.sequence import Event, GenerationResult, GenerationStats, Seq
 from clover.engine.structured import Constraint, GrammarCompiler, GrammarError, GrammarState
 from clover.model.cache import PrefixCache
 from clover.model.config import GenerationConfig
-from clover.model.modeling import CheckTrail, CloverForCausalLM
+from clover.model.modeling import CheckTrail, CloverForCausalLM, GDNTrace
 
 __all__ = ["Engine", "Event", "GenerationResult", "GenerationStats", "StepRecord"]
 log = logging.getLogger(__name__)
@@ -49,10 +49,11 @@ WARM_UP_MAX_BATCH = 32   # the largest batch `warm_up` decodes (the default --ma
 class Engine:
     def __init__(self, model: CloverForCausalLM, tokenizer: object | None = None, max_batch_size: int = 32,
                  policies: dict[str, Policy] | None = None, prefix_cache_bytes: int = 0,
-                 max_prefill_tokens: int | None = None) -> None:
+                 max_prefill_tokens: int | None = None, prefix_state_every: int = 16) -> None:
         """`tokenizer` (optional) needs `decode(ids) -> str`; it enables text output and stop strings.
         `policies` replaces the decoding policies by algorithm name (default: `clover.engine.policies.POLICIES`).
-        `prefix_cache_bytes` > 0 keeps committed prefixes for later requests (`clover.engine.prefix_cache`).
+        `prefix_cache_bytes` > 0 keeps committed prefixes for later requests (`clover.engine.prefix_cache`), with
+        GDN states after every `prefix_state_every`-th block (and at prompts' ends, branch points and frontiers).
         `max_prefill_tokens` (chunked prefill): a step prefills at most this many prompt tokens in
         block-aligned chunks, so a long prompt never stalls the other sequences' steps (None: no limit)."""
         if max_batch_size < 1:
@@ -78,7 +79,8 @@ class Engine:
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
         self.forward_seconds = 0.0  # wall time inside model forwards, all sequences together
-        self.prefix = PrefixStore(self.config.block_size, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.prefix = (PrefixStore(self.config.block_size, prefix_cache_bytes, prefix_state_every)
+                       if prefix_cache_bytes > 0 else None)
         self._grammars: GrammarCompiler | None = None   # built at the first constrained request
         self._grammars_lock = threading.Lock()
 
@@ -338,7 +340,8 @@ class Engine:
         size = self.prefix.block_size
         limit = self.policies[s.params.algorithm].reusable(s) // size
         keys = block_keys(s.prompt[: limit * size], size)
-        n = self.prefix.match(keys, limit)
+        n, cached = self.prefix.match(keys, limit)
+        s.branch = cached - 1 if cached > n else None   # states there next time: the next such prompt restores it all
         stats = self.prefix.stats
         stats.lookups += 1
         stats.tokens_looked_up += limit * size
@@ -349,12 +352,30 @@ class Engine:
             stats.hits += 1
             stats.tokens_reused += n * size
 
-    def _remember(self, seqs: list[SequenceState], before: list[int], rings: dict[int, torch.Tensor],
-                  trace: dict | None, inside: dict[tuple[int, int], tuple[list, list]] | None = None) -> None:
+    def _keeps_state(self, s: SequenceState, block: int) -> bool:
+        """Whether the prefix cache keeps the GDN states after block `block` of `s` for good (not only as its
+        frontier): every `state_every`-th block, the prompt's last whole block (and the one before it when the
+        prompt ends on a boundary: `ar` and `verify` prefill a prompt's last token, so the same prompt again
+        restores up to there), a branch its lookup found."""
+        size, n = self.prefix.block_size, len(s.prompt)
+        return self.prefix.periodic(block) or block in (n // size - 1, (n - 1) // size - 1) or block == s.branch
+
+    def _snapshot_blocks(self, s: SequenceState, old: int, new: int) -> list[int]:
+        """The blocks, ending inside a forward that takes `s` from `old` to `new` committed tokens, after which
+        the prefix cache wants GDN states (those it keeps and the deepest: a block ending at `new` is the
+        cache's own state)."""
+        size = self.prefix.block_size
+        ends_inside = range(old // size, (new - 1) // size)   # blocks ending after `old` and before `new`
+        return [b for b in ends_inside if self._keeps_state(s, b) or b == new // size - 1]
+
+    def _remember(self, seqs: list[SequenceState], before: list[int], trace: GDNTrace | None,
+                  inside: dict[tuple[int, int], tuple[list, list]] | None = None) -> None:
         """Snapshot every block boundary the last cache-writing forward crossed (`before`: each row's
-        length before it; `rings`: GDN conv rings before it; `trace`: GDN outputs with chunk states;
-        `inside`: a keep's states and rings at the boundaries before its end, by (row index, block))."""
+        length before it; `trace`: GDN states and rings at the chunks `_before` asked for; `inside`: a keep's
+        states and rings at the boundaries before its end, by (row index, block)): K/V for every block, GDN
+        states where `_snapshot_blocks` wants them. A request's frontier states are dropped as it goes past."""
         size, cache = self.prefix.block_size, self.cache
+        n_layers = len(cache.states)
         gdn = [i for i, st in enumerate(cache.states) if st is not None]
         for idx, s in enumerate(seqs):
             old, new = before[idx], int(cache.lengths[s.row])
@@ -362,24 +383,28 @@ class Engine:
                 continue
             tokens = (s.prompt + s.generated)[:new]
             s.chain = block_keys(tokens, size, s.chain)
+            wanted = set(self._snapshot_blocks(s, old, new))
             for b in range(old // size, new // size):
-                end = (b + 1) * size
-                if end == new:
-                    states = [cache.states[i][s.row] if i in gdn else None for i in range(len(cache.states))]
-                    ring = [cache.rings[i][s.row] if i in gdn else None for i in range(len(cache.rings))]
-                elif inside is not None and (idx, b) in inside:
+                end, keep = (b + 1) * size, self._keeps_state(s, b)
+                states = ring = None
+                if not gdn:   # (attention only: K/V are the whole state)
+                    states, ring = [None] * n_layers, [None] * n_layers
+                elif end == new:
+                    states = [cache.states[i][s.row] if i in gdn else None for i in range(n_layers)]
+                    ring = [cache.rings[i][s.row] if i in gdn else None for i in range(n_layers)]
+                elif b in wanted and inside is not None and (idx, b) in inside:
                     states, ring = inside[idx, b]
-                elif trace is not None and all(trace.get(i) is not None and trace[i].chunk_states is not None
-                                               for i in gdn):
-                    c = (end - old // size * size) // size   # the chunk that starts at `end` (chunks start on boundaries)
-                    states = [trace[i].chunk_states[idx, :, c] if i in gdn else None for i in range(len(cache.states))]
-                    ring = [None] * len(cache.rings)
-                    for i in gdn:
-                        rows = torch.cat([rings[i][idx].to(trace[i].u.dtype), trace[i].u[idx]])  # [W-1+T,Q]
-                        ring[i] = rows[end - old: end - old + rows.shape[0] - trace[i].u.shape[1]]
-                else:
-                    continue
-                self.prefix.insert(s.chain[b], s.chain[b - 1] if b else None, cache, s.row, b, states, ring)
+                elif (b in wanted and trace is not None and b + 1 - old // size in trace.chunks
+                      and all(i in trace.states for i in gdn)):
+                    j = trace.chunks.index(b + 1 - old // size)   # (chunk c starts at the c-th boundary from old's)
+                    states = [trace.states[i][idx, :, j] if i in gdn else None for i in range(n_layers)]
+                    ring = [trace.rings[i][idx, j] if i in gdn else None for i in range(n_layers)]
+                held = self.prefix.insert(s.chain[b], s.chain[b - 1] if b else None, cache, s.row, b, states, ring,
+                                          frontier=not keep)
+                if states is not None and gdn and b == new // size - 1:   # the request's new frontier
+                    if s.frontier != s.chain[b]:
+                        self.prefix.drop_frontier(s.frontier)
+                    s.frontier = s.chain[b] if held and not keep else None
 
     # -- what policies call --------------------------------------------------------------------------
     def forward(self, seqs: list[SequenceState], fn: str, ids: torch.Tensor, lengths: list[int],
@@ -388,11 +413,11 @@ class Engine:
         rows = self._rows(seqs)
         remember = self.prefix is not None and fn == "causal" and kw.get("write", True)
         if remember:
-            before, rings, kw["gdn_trace"] = self._before(rows, lengths)
+            before, kw["gdn_trace"] = self._before(seqs, lengths)
         out = self._timed(seqs, lambda: getattr(self.model, fn)(
             ids, self.cache, lengths=torch.tensor(lengths, device=ids.device), rows=rows, **kw))
         if remember:
-            self._remember(seqs, before, rings, kw["gdn_trace"])
+            self._remember(seqs, before, kw["gdn_trace"])
         return out
 
     def fused(self, seqs: list[SequenceState], clean: list[list[int]] | list[torch.Tensor],
@@ -403,31 +428,32 @@ class Engine:
         dev = self.device
         remember = self.prefix is not None
         clean_lengths = [len(c) for c in clean]
-        before, rings, trace = self._before(rows, clean_lengths) if remember else (None, None, None)
+        before, trace = self._before(seqs, clean_lengths) if remember else (None, None)
         out = self._timed(seqs, lambda: self.model.causal_and_preview(
             self.pad(clean, 0), self.pad(blocks, self.config.mask_token_id), self.cache,
             clean_lengths=torch.tensor(clean_lengths, device=dev),
             block_lengths=torch.tensor([len(b) for b in blocks], device=dev), rows=rows,
             clean_logits=clean_logits, gdn_trace=trace, masked_only=True))
         if remember:
-            self._remember(seqs, before, rings, trace)
+            self._remember(seqs, before, trace)
         return out
 
     def keep(self, seqs: list[SequenceState], trail: CheckTrail, counts: list[int]) -> None:
         """model.keep: commit the first counts[i] rows of the last check of seqs[i] (`verify`), timed."""
         before = self.cache.lengths[trail.rows].tolist() if self.prefix is not None else None
-        inside = self._kept_inside(trail, counts, before) if before is not None else None
+        inside = self._kept_inside(seqs, trail, counts, before) if before is not None else None
         self._timed(seqs, lambda: self.model.keep(self.cache, trail, counts))
         if before is not None:   # the boundary a keep ends on: the cache holds its state; those inside it: `inside`
-            self._remember(seqs, before, {}, None, inside)
+            self._remember(seqs, before, None, inside)
 
-    def _kept_inside(self, trail: CheckTrail, counts: list[int], before: list[int]
+    def _kept_inside(self, seqs: list[SequenceState], trail: CheckTrail, counts: list[int], before: list[int]
                      ) -> dict[tuple[int, int], tuple[list, list]]:
         """The GDN states and rings at the block boundaries a keep crosses before its last row (a request's
-        block size that does not divide the model's), by (row index, block ending there), from the check's
-        steps (`model.kept_gdn`): the k-th such boundary of every row in one call."""
+        block size that does not divide the model's) where the prefix cache wants them, by (row index, block
+        ending there), from the check's steps (`model.kept_gdn`): the k-th such boundary of every row in one call."""
         size, n_layers = self.prefix.block_size, len(self.cache.states)
-        ends = [list(range((old // size + 1) * size, old + n, size)) for old, n in zip(before, counts, strict=True)]
+        ends = [[(b + 1) * size for b in self._snapshot_blocks(s, old, old + n)]
+                for s, old, n in zip(seqs, before, counts, strict=True)]
         out: dict[tuple[int, int], tuple[list, list]] = {}
         for k in range(max(map(len, ends), default=0)):
             upto = [e[k] - old if k < len(e) else 0 for e, old in zip(ends, before, strict=True)]
@@ -455,17 +481,16 @@ class Engine:
             return slice(rows[0], rows[0] + len(rows))
         return torch.tensor(rows, device=self.device)
 
-    def _before(self, rows: torch.Tensor | slice, lengths: list[int]) -> tuple[list[int], dict[int, torch.Tensor],
-                                                                             dict | None]:
-        """What `_remember` needs from before a forward writing `lengths` tokens per row: lengths, conv
-        rings, and a dict for the GDN trace when some row crosses a block boundary before its last token
-        (a prefill; else None: a step or a block's commit ends on the boundary it crosses, and a pass
-        without a trace may run compiled)."""
-        rings = {i: r[rows].clone() for i, r in enumerate(self.cache.rings) if r is not None}
-        before = self.cache.lengths[rows].tolist()
+    def _before(self, seqs: list[SequenceState], lengths: list[int]) -> tuple[list[int], GDNTrace | None]:
+        """What `_remember` needs from before a forward writing `lengths` tokens per row: the rows' lengths, and
+        a GDN trace asking for the chunks that end on the boundaries inside the forward where the prefix cache
+        wants states (a prefill; else None: a step or a block's commit ends on the boundary it crosses, whose
+        state the cache holds, and a pass without a trace may run compiled)."""
+        before = self.cache.lengths[self._rows(seqs)].tolist()
         size = self.prefix.block_size
-        inside = any((b // size + 1) * size < b + n for b, n in zip(before, lengths, strict=True))
-        return before, rings, {} if inside else None
+        chunks = sorted({b + 1 - old // size for s, old, n in zip(seqs, before, lengths, strict=True)
+                         for b in self._snapshot_blocks(s, old, old + n)})
+        return before, GDNTrace(chunks) if chunks and any(st is not None for st in self.cache.states) else None
 
     def pad(self, rows: list[list[int]] | list[torch.Tensor], fill: int) -> torch.Tensor:
         """Right-padded [N, max(1, longest)] long tensor on the model's device."""

@@ -3,12 +3,25 @@
 A hybrid model cannot keep per-token state for its Gated DeltaNet layers, only one recurrent state,
 so prefixes are snapshotted where Clover commits anyway: at block boundaries (blocks are aligned to
 absolute positions). One entry per block, keyed by a hash chain over the token blocks so far (the key
-of block k covers every token before it): the block's attention K/V, and each GDN layer's state and
-conv ring after the block. A request whose prompt starts with cached blocks restores them into its
-cache row (copies of K/V, state and ring) and prefills only the rest; entries come from prefills
-(per-block states from the chunked scan, its chunks on the sequence's boundaries), block commits and AR
-steps that end a block, and the boundaries inside a commit or a `verify` keep of a request whose block
-size does not divide the model's (the keep's from its check's steps, `model.kept_gdn`).
+of block k covers every token before it): the block's attention K/V, and at some blocks each GDN
+layer's state and conv ring after the block. A request whose prompt starts with cached blocks restores
+them, up to the deepest one holding GDN states, into its cache row (copies of K/V, state and ring) and
+prefills only the rest; entries come from prefills (states from the chunked scan, its chunks on the
+sequence's boundaries), block commits and AR steps that end a block, and the boundaries inside a commit
+or a `verify` keep of a request whose block size does not divide the model's (the keep's from its
+check's steps, `model.kept_gdn`).
+
+GDN states are sparse: a layer's state is a whole [H,K,V] matrix, ~6.6x a block's K/V for clover-tiny
+in fp32 and ~98x for the 35B preset in bf16 (~61 MiB a block), so a state at every block would spend
+the budget on states (a 256 MiB cache would hold ~130 tokens of a 35B model's prefixes). States are
+kept after every `state_every`-th block of a sequence, after the last whole block of each prompt (where
+the next turn of a conversation diverges, e.g. a chat template that drops earlier reasoning; and the
+block before it when the prompt ends on a boundary, which `ar` and `verify` restore the same prompt up to), after the
+deepest cached block a lookup found beyond the states it could restore (a branch point, such as the end
+of a shared system prompt: the next request that shares it restores it whole), and after the deepest
+block each request has reached (its frontier, dropped when the request goes past it). This is the
+choice vLLM and SGLang make for Mamba-style layers (states at coarse blocks or at the ends of inserted
+sequences, K/V for every token); a lookup reuses at most `state_every` blocks less than dense states would.
 
 Bounded by a byte budget; eviction takes the least recently used block among those that no cached
 block continues (a leaf of the tree of prefixes, as a radix cache does), so a shared beginning such
@@ -48,11 +61,16 @@ def block_keys(tokens: Sequence[int], block_size: int, start: list[bytes] | None
 class Entry:
     keys: list[torch.Tensor | None]      # per attention layer [G,S,D] (None for GDN layers)
     values: list[torch.Tensor | None]
-    states: list[torch.Tensor | None]    # per GDN layer [H,K,V] after the block (None for attention)
-    rings: list[torch.Tensor | None]     # per GDN layer [W-1,Q] after the block
+    states: list[torch.Tensor | None] | None  # per GDN layer [H,K,V] after the block (None for attention);
+    rings: list[torch.Tensor | None] | None   # per GDN layer [W-1,Q] after the block; both None: K/V only
     nbytes: int
     parent: bytes | None                 # the key of the block before (None for block 0)
     children: int = 0                    # cached blocks that continue this one
+    frontier: bool = False               # its states are only a running request's frontier (dropped as it moves)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in (self.states or [], self.rings or []) for t in ts
+                   if t is not None)
 
 
 @dataclass
@@ -63,16 +81,19 @@ class PrefixCacheStats:
     tokens_looked_up: int = 0     # prompt tokens that could have been reused
     inserted: int = 0
     evictions: int = 0
+    snapshots: int = 0            # GDN states kept (entries holding them; a frontier dropped takes one away)
 
     def to_dict(self) -> dict:
         return {"lookups": self.lookups, "hits": self.hits, "tokens_reused": self.tokens_reused,
-                "tokens_looked_up": self.tokens_looked_up, "inserted": self.inserted, "evictions": self.evictions}
+                "tokens_looked_up": self.tokens_looked_up, "inserted": self.inserted, "evictions": self.evictions,
+                "snapshots": self.snapshots}
 
 
 @dataclass
 class PrefixStore:
     block_size: int
     max_bytes: int
+    state_every: int = 16                # GDN states after every state_every-th block (and where `Engine` asks)
     entries: OrderedDict[bytes, Entry] = field(default_factory=OrderedDict)
     nbytes: int = 0
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
@@ -80,21 +101,32 @@ class PrefixStore:
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
             raise ValueError(f"the prefix cache budget must be >= 0 bytes, got {self.max_bytes}")
+        if isinstance(self.state_every, bool) or not isinstance(self.state_every, int) or self.state_every < 1:
+            raise ValueError(f"the prefix cache's state interval must be a whole number of blocks >= 1, "
+                             f"got {self.state_every!r}")
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.entries
 
     # -- lookup and restore ------------------------------------------------------------------------
-    def match(self, keys: list[bytes], limit_blocks: int) -> int:
-        """How many leading blocks (at most `limit_blocks`) are cached, marking them recently used."""
-        n = 0
+    def periodic(self, block: int) -> bool:
+        """Whether block `block` (0-based) of every sequence keeps its GDN states: every `state_every`-th."""
+        return (block + 1) % self.state_every == 0
+
+    def match(self, keys: list[bytes], limit_blocks: int) -> tuple[int, int]:
+        """(how many leading blocks, at most `limit_blocks`, can be restored: a chain of cached blocks whose
+        last holds GDN states; how many are cached, states or not), marking the chain recently used."""
+        n = usable = 0
         while n < min(len(keys), limit_blocks) and keys[n] in self.entries:
             self.entries.move_to_end(keys[n])
             n += 1
-        return n
+            if self.entries[keys[n - 1]].states is not None:
+                usable = n
+        return usable, n
 
     def restore(self, cache: PrefixCache, row: int, keys: list[bytes]) -> None:
-        """Write the cached blocks `keys` (a chain from block 0) into an empty cache row."""
+        """Write the cached blocks `keys` (a chain from block 0, the last holding GDN states) into an empty
+        cache row."""
         s = self.block_size
         cache.reserve(len(keys) * s)
         for b, key in enumerate(keys):
@@ -104,6 +136,8 @@ class PrefixStore:
                     cache.keys[layer][row, :, b * s:(b + 1) * s] = k
                     cache.values[layer][row, :, b * s:(b + 1) * s] = e.values[layer]
         last = self.entries[keys[-1]]
+        if last.states is None or last.rings is None:
+            raise ValueError("the last block restored must hold GDN states (PrefixStore.match says how far)")
         for layer, st in enumerate(last.states):
             if st is not None:
                 cache.states[layer][row] = st
@@ -112,28 +146,63 @@ class PrefixStore:
 
     # -- insert --------------------------------------------------------------------------------------
     def insert(self, key: bytes, parent: bytes | None, cache: PrefixCache, row: int, block: int,
-               states: list[torch.Tensor | None], rings: list[torch.Tensor | None]) -> None:
-        """Keep block `block` of cache row `row` (its K/V) with the GDN `states` / `rings` after it;
-        `parent` is the key of the block before it."""
-        if key in self.entries:
+               states: list[torch.Tensor | None] | None, rings: list[torch.Tensor | None] | None,
+               frontier: bool = False) -> bool:
+        """Keep block `block` of cache row `row` (its K/V), with the GDN `states` / `rings` after it where
+        given (None: K/V only; a cached block without states takes them); `parent` is the key of the block
+        before it. `frontier`: the states are kept only as a request's deepest point (`drop_frontier`).
+        Returns whether the block is cached holding states given here."""
+        entry = self.entries.get(key)
+        if entry is not None:
             self.entries.move_to_end(key)
-            return
+            if states is None or rings is None:
+                return False
+            if entry.states is not None:
+                entry.frontier = entry.frontier and frontier   # (kept for good once some request wants it so)
+                return False
+            entry.states, entry.rings = _copies(states), _copies(rings)
+            entry.frontier = frontier
+            added = entry.state_bytes()
+            entry.nbytes += added
+            self.nbytes += added
+            self.stats.snapshots += 1
+            self._fit()
+            return key in self.entries
         if parent is not None and parent not in self.entries:
-            return  # unreachable: lookups walk the chain from block 0
+            return False  # unreachable: lookups walk the chain from block 0
         s = self.block_size
         keys = [None if k is None else k[row, :, block * s:(block + 1) * s].clone() for k in cache.keys]
         values = [None if v is None else v[row, :, block * s:(block + 1) * s].clone() for v in cache.values]
-        states = [None if x is None else x.detach().clone() for x in states]
-        rings = [None if x is None else x.detach().clone() for x in rings]
-        nbytes = sum(t.numel() * t.element_size() for ts in (keys, values, states, rings) for t in ts if t is not None)
-        if nbytes > self.max_bytes:
-            return
-        self.entries[key] = Entry(keys, values, states, rings, nbytes, parent)
+        held = states is not None and rings is not None
+        entry = Entry(keys, values, _copies(states) if held else None, _copies(rings) if held else None, 0, parent,
+                      frontier=frontier and held)
+        entry.nbytes = sum(t.numel() * t.element_size() for ts in (keys, values) for t in ts if t is not None) \
+            + entry.state_bytes()
+        if entry.nbytes > self.max_bytes:
+            return False
+        self.entries[key] = entry
         if parent is not None:
             self.entries[parent].children += 1
             self.entries.move_to_end(parent)
-        self.nbytes += nbytes
+        self.nbytes += entry.nbytes
         self.stats.inserted += 1
+        self.stats.snapshots += held
+        self._fit()
+        return held and key in self.entries
+
+    def drop_frontier(self, key: bytes | None) -> None:
+        """Drop the GDN states of block `key` if they are only a request's frontier (it has gone past them)."""
+        entry = self.entries.get(key) if key is not None else None
+        if entry is None or entry.states is None or not entry.frontier:
+            return
+        freed = entry.state_bytes()
+        entry.states = entry.rings = None
+        entry.frontier = False
+        entry.nbytes -= freed
+        self.nbytes -= freed
+        self.stats.snapshots -= 1
+
+    def _fit(self) -> None:
         while self.nbytes > self.max_bytes:
             self._evict_one()
 
@@ -145,3 +214,8 @@ class PrefixStore:
             self.entries[old.parent].children -= 1
         self.nbytes -= old.nbytes
         self.stats.evictions += 1
+        self.stats.snapshots -= old.states is not None
+
+
+def _copies(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [None if x is None else x.detach().clone() for x in tensors]

@@ -139,6 +139,8 @@ class SequenceState:
     stop_tails: list[int] = field(default_factory=list)
     stop_tails_at: int = 0
     chain: list[bytes] = field(default_factory=list)  # prefix-cache keys of the committed blocks
+    branch: int | None = None                  # prefix cache: the block its lookup found cached beyond the states
+    frontier: bytes | None = None              # prefix cache: the block whose states are only its frontier
     step: int = 0
     pos: int = 0                               # committed positions in the cache
     block: torch.Tensor | None = None          # current block token ids [S]

@@ -58,13 +58,15 @@ def delta_rule_recurrent(
 def delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor | None = None, chunk_size: int = 32, return_chunk_states: bool = False,
-    return_written: bool = False,
+    return_written: bool = False, keep_chunks: list[int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Chunked delta rule (WY form): intra-chunk work in parallel, a scan over chunks only.
 
     Same inputs and outputs as `delta_rule_recurrent`, plus, when asked, the state before every
-    chunk: chunk_states [N,H,nC,K,V] (chunk_states[:, :, 0] is the initial state), and with
-    `return_written` the written rows w [N,T,H,V] last, as `delta_rule_recurrent` gives them.
+    chunk: chunk_states [N,H,nC,K,V] (chunk_states[:, :, 0] is the initial state), or with `keep_chunks`
+    (ascending, each < nC) only those chunks' [N,H,len(keep_chunks),K,V] (the others are never held: a
+    prefix cache asks for a few of a long prefill's), and with `return_written` the written rows w [N,T,H,V] last, as
+    `delta_rule_recurrent` gives them.
 
     Within a chunk starting from state S0, with cumulative log decay G_t = g_1 + ... + g_t, the
     written rows w_s solve (I + A) W = beta * (V - exp(G) K S0), A_sr = beta_s exp(G_s - G_r) k_s.k_r
@@ -76,12 +78,12 @@ def delta_rule_chunked(
     -3 to -28 at the tiny presets' init), which eager bf16 and compiled fp32 do not.
     """
     with torch.autocast(q.device.type, enabled=False):
-        return _chunked(q, k, v, g, beta, state, chunk_size, return_chunk_states, return_written)
+        return _chunked(q, k, v, g, beta, state, chunk_size, return_chunk_states, return_written, keep_chunks)
 
 
 def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             state: torch.Tensor | None, chunk_size: int, return_chunk_states: bool, return_written: bool
-             ) -> tuple[torch.Tensor, ...]:
+             state: torch.Tensor | None, chunk_size: int, return_chunk_states: bool, return_written: bool,
+             keep_chunks: list[int] | None = None) -> tuple[torch.Tensor, ...]:
     n, t_len, h, dk = k.shape
     dv = v.shape[-1]
     c = chunk_size
@@ -115,7 +117,8 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     w_v, w_k, q_decayed, attn, chunk_decay, k_to_end = (
         x.unbind(2) for x in (w_v, w_k, q_decayed, attn, chunk_decay, k_to_end))
     for i in range(n_chunks):
-        states.append(s)
+        if return_chunk_states and (keep_chunks is None or i in keep_chunks):
+            states.append(s)
         w = w_v[i] - w_k[i] @ s                                                 # [N,H,C,V]
         outs.append(q_decayed[i] @ s + attn[i] @ w)
         written.append(w)
@@ -194,6 +197,16 @@ def next_ring(ring: torch.Tensor, u: torch.Tensor, lengths: torch.Tensor) -> tor
     rows = torch.cat([ring.to(u.dtype), u], dim=1)                              # [N,W-1+T,Q]
     idx = lengths[:, None] + torch.arange(width, device=u.device)[None, :]      # [N,W-1]
     return rows.gather(1, idx[..., None].expand(-1, -1, rows.shape[-1]))
+
+
+def rings_at(ring: torch.Tensor, u: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """The conv ring [N,k,W-1,Q] after before[n, j] rows of u [N,T,Q] from `ring` [N,W-1,Q]: the last W-1 rows
+    of [ring; u[:before]] (`next_ring` at several points; a point outside 0..T gives rows of no meaning)."""
+    width = ring.shape[1]
+    rows = torch.cat([ring.to(u.dtype), u], dim=1)                              # [N,W-1+T,Q]
+    idx = (before[..., None] + torch.arange(width, device=u.device)).clamp(0, rows.shape[1] - 1)   # [N,k,W-1]
+    n, k = before.shape
+    return rows.gather(1, idx.reshape(n, -1, 1).expand(-1, -1, rows.shape[-1])).reshape(n, k, width, -1)
 
 
 def preview_conv_reference(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from clover.model.gdn import (
     l2norm,
     next_ring,
     right_conv,
+    rings_at,
     valid_mask,
 )
 from clover.model.moe import SparseMoE, keep_grouped_dispatch_out_of_graphs, load_balancing_loss
@@ -151,8 +152,31 @@ class GDNCausalOut:
     state: torch.Tensor               # [N,H,K,V] after the valid rows
     ring: torch.Tensor                # [N,W-1,Q] after the valid rows
     u: torch.Tensor                   # [N,T,Q] pre-conv rows (the training forward builds rings from them)
-    chunk_states: torch.Tensor | None  # [N,H,nC,K,V] state before every chunk
+    chunk_states: torch.Tensor | None  # [N,H,nC,K,V] state before every chunk (or the `keep_chunks` asked)
     steps: tuple[torch.Tensor, ...] | None = None  # every row's k, written row w and g (`keep_steps`)
+    chunk_rings: torch.Tensor | None = None  # [N,len(keep_chunks),W-1,Q] conv ring before each chunk asked
+
+
+@dataclass
+class GDNTrace:
+    """What a cache-writing pass reports of its GDN layers, by layer index. For a prefix cache, the state and
+    conv ring at the block boundaries `chunks` (ascending; chunk c starts at the c-th boundary from the one at
+    or before each row's start, see `GatedDeltaNet.causal`'s `align`): states [N,H,len(chunks),K,V] and rings
+    [N,len(chunks),W-1,Q]; nothing else of the pass is held (every layer's state at every boundary of a long
+    prefill was, ~60 MiB a boundary for the 35B preset). Under write="kv" (a `verify` check): every row's
+    steps and pre-conv rows, for `keep`."""
+
+    chunks: list[int] = field(default_factory=list)
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+    rings: dict[int, torch.Tensor] = field(default_factory=dict)
+    steps: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    u: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def record(self, layer: int, res: GDNCausalOut) -> None:
+        if res.steps is not None:
+            self.steps[layer], self.u[layer] = res.steps, res.u
+        elif res.chunk_states is not None:
+            self.states[layer], self.rings[layer] = res.chunk_states, res.chunk_rings
 
 
 @dataclass
@@ -210,7 +234,7 @@ class GatedDeltaNet(nn.Module):
     def causal(
         self, x: torch.Tensor, state: torch.Tensor | None, ring: torch.Tensor, lengths: torch.Tensor,
         chunk_size: int, return_chunk_states: bool = False, keep_steps: bool = False,
-        align: torch.Tensor | None = None,
+        align: torch.Tensor | None = None, keep_chunks: list[int] | None = None,
     ) -> GDNCausalOut:
         """x [N,T,D] from `state` / `ring`; rows t >= lengths[n] leave the state and ring untouched.
         `keep_steps`: also every row's key, written row and decay (a `verify` check, for `keep`). Unless chunk
@@ -218,7 +242,8 @@ class GatedDeltaNet(nn.Module):
         one chunk of their length (no padding). `align` [N]: how far into a chunk each row starts (its
         cached length modulo chunk_size); with chunk states asked, row n then runs after align[n] steps
         that change nothing, so that its chunks start at multiples of chunk_size of the whole sequence
-        (chunk_states[n, :, c]: the state at the c-th such boundary from the one at or before its start)."""
+        (chunk_states[n, :, c]: the state at the c-th such boundary from the one at or before its start).
+        `keep_chunks` (with chunk states asked): only those chunks' states, and their conv rings (chunk_rings)."""
         u = self.in_proj_qkv(x)                                                  # [N,T,Q]
         c = F.silu(causal_conv(u, ring, self.conv1d.weight.squeeze(1)))
         q, k, v = self._heads(c)
@@ -231,7 +256,7 @@ class GatedDeltaNet(nn.Module):
         chunk_states = None
         # compiled, a check runs step by step (faster there than one chunk; its length is fixed per graph)
         compiling = torch.compiler.is_compiling()
-        if (self.use_recurrent_reference or t == 1 or (keep_steps and compiling)
+        if (self.use_recurrent_reference or (t == 1 and not return_chunk_states) or (keep_steps and compiling)
                 or (not compiling and t <= RECURRENT_STEPS and not return_chunk_states)):
             o, new_state, *w = delta_rule_recurrent(q, k, v, g, beta, state, return_written=keep_steps)
         elif return_chunk_states and align is not None and bool((align > 0).any()):
@@ -246,14 +271,19 @@ class GatedDeltaNet(nn.Module):
                 return out
 
             o, new_state, chunk_states, *w = delta_rule_chunked(*map(shifted, (q, k, v, g, beta)), state, chunk_size,
-                                                                True, return_written=keep_steps)
+                                                                True, keep_steps, keep_chunks)
             o, w = o[at], [y[at] for y in w]
         else:
             size = chunk_size if return_chunk_states else min(chunk_size, t)
             o, new_state, chunk_states, *w = delta_rule_chunked(q, k, v, g, beta, state, size, return_chunk_states,
-                                                                return_written=keep_steps)
+                                                                keep_steps, keep_chunks)
+        chunk_rings = None
+        if return_chunk_states and keep_chunks is not None:   # ring before chunk c: the W-1 rows before its start
+            before = torch.tensor(keep_chunks, device=x.device)[None, :] * chunk_size - (0 if align is None else
+                                                                                         align[:, None])   # [N,k]
+            chunk_rings = rings_at(ring, u, before)
         return GDNCausalOut(self._output(o, x), new_state, next_ring(ring, u, lengths), u, chunk_states,
-                            (k, w[0], g) if keep_steps else None)
+                            (k, w[0], g) if keep_steps else None, chunk_rings)
 
     def preview(self, x: torch.Tensor, state: torch.Tensor, ring: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One block x [N,S,D] over `state` [N,H,K,V] / `ring` [N,W-1,Q]; lengths [N] valid positions."""
@@ -731,13 +761,12 @@ class CloverForCausalLM(nn.Module):
     def causal(
         self, input_ids: torch.Tensor, cache: PrefixCache | None = None, lengths: torch.Tensor | None = None,
         logits: str = "all", rows: torch.Tensor | list[int] | slice | None = None, write: bool | str = True,
-        gdn_trace: dict[int, GDNCausalOut] | None = None,
+        gdn_trace: GDNTrace | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """Run input_ids [N,T] causally after the cache (if any) and append them to it (`write` False:
         read the cache only, leaving it as it was; "kv": what `check` does, K/V written past the lengths,
-        the rest left as it was). `gdn_trace`, when given, receives each GDN layer's output with its
-        state at every block boundary from the one at or before each row's start (chunk_states; a prefix
-        cache snapshots them), or, under "kv", every row's steps.
+        the rest left as it was). `gdn_trace`, when given, receives each GDN layer's state and conv ring at
+        the block boundaries it names (a prefix cache snapshots them), or, under "kv", every row's steps.
 
         `logits`: "all" -> [N,T,V]; "valid" -> the same with zeros at the positions past each row's length
         (their LM head skipped); "last" -> [N,V] at each row's last valid position; "none" -> None
@@ -788,12 +817,12 @@ class CloverForCausalLM(nn.Module):
                 zero_ring = zero_ring if zero_ring is not None else x.new_zeros(n, self.config.linear_conv_kernel_dim - 1,
                                                                              self.config.linear_conv_dim)
                 state, ring = None, zero_ring
-            res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size,
-                                           return_chunk_states=gdn_trace is not None and not kv_only,
-                                           keep_steps=kv_only,
-                                           align=None if gdn_trace is None else past % self.config.block_size)
+            snap = gdn_trace is not None and not kv_only and bool(gdn_trace.chunks)
+            res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size, return_chunk_states=snap,
+                                           keep_steps=kv_only, align=past % self.config.block_size if snap else None,
+                                           keep_chunks=gdn_trace.chunks if snap else None)
             if gdn_trace is not None:
-                gdn_trace[i] = res
+                gdn_trace.record(i, res)
             if write and not kv_only:
                 cache.set_gdn(i, rows, res.state, res.ring)
             return res.out
@@ -957,11 +986,10 @@ class CloverForCausalLM(nn.Module):
             if out is not None:
                 logits, steps, u = out
                 return logits, CheckTrail(rows, lengths, steps, u)
-        trace: dict[int, GDNCausalOut] = {}
+        trace = GDNTrace()
         logits = self.causal(input_ids, cache, lengths=lengths, logits="valid", rows=rows, write="kv", gdn_trace=trace)
         layers = range(len(cache.states))
-        return logits, CheckTrail(rows, lengths, [trace[i].steps if i in trace else None for i in layers],
-                                  [trace[i].u if i in trace else None for i in layers])
+        return logits, CheckTrail(rows, lengths, [trace.steps.get(i) for i in layers], [trace.u.get(i) for i in layers])
 
     def keep(self, cache: PrefixCache, trail: CheckTrail, counts: torch.Tensor | list[int]) -> None:
         """Commit the first counts[n] rows of the last `check` input of each row (0 keeps none, at most
@@ -1068,7 +1096,7 @@ class CloverForCausalLM(nn.Module):
         self, clean_ids: torch.Tensor, block_ids: torch.Tensor, cache: PrefixCache,
         clean_lengths: torch.Tensor | None = None, block_lengths: torch.Tensor | None = None,
         rows: torch.Tensor | list[int] | None = None, clean_logits: str = "last",
-        gdn_trace: dict[int, GDNCausalOut] | None = None, masked_only: bool = False,
+        gdn_trace: GDNTrace | None = None, masked_only: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One forward that does what `causal` and `preview` do apart (spec section 3: a fusion is
         allowed only where its results equal the separate passes; tests compare them): clean_ids [N,Tc]
@@ -1112,7 +1140,7 @@ class CloverForCausalLM(nn.Module):
 
     def _fused_body(self, clean_ids: torch.Tensor, block_ids: torch.Tensor, past: torch.Tensor,
                     clean_lengths: torch.Tensor, block_lengths: torch.Tensor, p: int, clean_logits: str,
-                    rows: _CacheRows | _RowViews, gdn_trace: dict[int, GDNCausalOut] | None,
+                    rows: _CacheRows | _RowViews, gdn_trace: GDNTrace | None,
                     wanted: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         (n, tc), s = clean_ids.shape, block_ids.shape[1]
         block_start = past + clean_lengths
@@ -1139,11 +1167,12 @@ class CloverForCausalLM(nn.Module):
                 return out
             gdn = layer.linear_attn
             state, ring = rows.gdn(i)
-            clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size,
-                               return_chunk_states=gdn_trace is not None,
-                               align=None if gdn_trace is None else past % self.config.block_size)
+            snap = gdn_trace is not None and bool(gdn_trace.chunks)
+            clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size, return_chunk_states=snap,
+                               align=past % self.config.block_size if snap else None,
+                               keep_chunks=gdn_trace.chunks if snap else None)
             if gdn_trace is not None:
-                gdn_trace[i] = clean
+                gdn_trace.record(i, clean)
             rows.set_gdn(i, clean.state, clean.ring)
             return torch.cat([clean.out, gdn.preview(x[:, tc:], clean.state, clean.ring, block_lengths)], dim=1)
 

@@ -160,13 +160,14 @@ class _EventStream(StreamingResponse):
 
 def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig, max_batch_size: int = 32,
               generation_defaults: GenerationConfig | dict | None = None, prefix_cache_bytes: int = 0,
-              max_prefill_tokens: int | None = None) -> FastAPI:
+              max_prefill_tokens: int | None = None, prefix_state_every: int = 16) -> FastAPI:
     defaults = generation_defaults if isinstance(generation_defaults, GenerationConfig) else \
         GenerationConfig.from_dict(generation_defaults or {})
     # (a bad default would make every request that leaves it unset a 400 blaming the request)
     check_generation_defaults(defaults, model.config.vocab_size, "generation_config.json")
     engine = AsyncEngine(Engine(model, tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes,
-                                max_prefill_tokens=max_prefill_tokens), max_waiting=cfg.max_waiting)
+                                max_prefill_tokens=max_prefill_tokens, prefix_state_every=prefix_state_every),
+                         max_waiting=cfg.max_waiting)
     ctx = model.config.max_position_embeddings
     metrics = ServerMetrics(engine, cfg.model_name)
 
@@ -777,7 +778,7 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
 
 def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_batch_size: int, max_waiting: int,
           dtype: str, device: str, model_name: str | None, prefix_cache_bytes: int = 0,
-          max_prefill_tokens: int | None = None, compile: bool = False) -> None:
+          max_prefill_tokens: int | None = None, compile: bool = False, prefix_state_every: int = 16) -> None:
 
     import uvicorn
 
@@ -794,7 +795,7 @@ def serve(model_dir: str | None, host: str, port: int, api_key: str | None, max_
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             logging.getLogger("clover").warning("serving on %s without --api-key: anyone who can reach it may use it", host)
         app = build_app(loaded.model, loaded.tokenizer, ServerConfig(name, api_key, max_waiting), max_batch_size,
-                        loaded.generation, prefix_cache_bytes, max_prefill_tokens)
+                        loaded.generation, prefix_cache_bytes, max_prefill_tokens, prefix_state_every)
         where = f"[{host}]" if ":" in host else host or "0.0.0.0"   # (an IPv6 address is bracketed in a URL)
         print(f"clover serve: {name} on http://{where}:{port}/v1 (batch {max_batch_size}, queue {max_waiting}, prefix cache "
               f"{prefix_cache_bytes / 2**20:.0f} MiB, {'API key required' if api_key else 'no API key'})", flush=True)

@@ -145,7 +145,12 @@ class _LiveCounters(Collector):
             family.add_metric([self.model_name], value)
             yield family
         if prefix is not None:
-            family = GaugeMetricFamily("clover_prefix_cache_bytes", "Bytes held by the prefix cache.",
-                                       labels=["model_name"])
-            family.add_metric([self.model_name], prefix.nbytes)
-            yield family
+            for name, help_, value in [
+                    ("clover_prefix_cache_bytes", "Bytes held by the prefix cache.", prefix.nbytes),
+                    ("clover_prefix_cache_blocks", "Blocks held by the prefix cache (their attention K/V).",
+                     len(prefix.entries)),
+                    ("clover_prefix_cache_gdn_states", "Cached blocks holding Gated DeltaNet states (where a "
+                     "restore can end).", prefix.stats.snapshots)]:
+                family = GaugeMetricFamily(name, help_, labels=["model_name"])
+                family.add_metric([self.model_name], value)
+                yield family
