@@ -397,26 +397,69 @@ def test_a_branch_point_found_by_a_lookup_is_restored_whole_by_the_next_prompt(m
     assert [r.stats.cached_tokens for r in got] == [0, 0, 40]
 
 
-def test_a_request_drops_its_old_frontier_but_not_states_another_kept(model):
-    """`PrefixStore.insert(..., frontier=True)` then `drop_frontier`: the states (and their bytes) go, the K/V stay;
-    states inserted for good, or asked for good by another insert, are not dropped; a K/V-only block takes states."""
+def test_a_request_drops_its_old_frontier_but_not_states_another_keeps(model):
+    """`PrefixStore.insert(..., frontier=True)` returns the claim `drop_frontier` gives back: the states (and their
+    bytes) go with the last claim, the K/V stay; states wanted for good by any insert are not dropped; a K/V-only block
+    takes states; a claim on an entry evicted (and cached again since) drops nothing."""
     engine = Engine(model, prefix_cache_bytes=64 << 20)
     store, cache = engine.prefix, model.new_cache(1)
     model.causal(torch.tensor([_tokens(24, 16)]), cache, logits="none")
     keys = block_keys(_tokens(24, 16), 8)
     state = ([s[0] if s is not None else None for s in cache.states], [r[0] if r is not None else None
                                                                        for r in cache.rings])
-    assert not store.insert(keys[0], None, cache, 0, 0, None, None)               # K/V only
+    assert store.insert(keys[0], None, cache, 0, 0, None, None) is None           # K/V only
     kv_bytes = store.nbytes
-    assert store.insert(keys[0], None, cache, 0, 0, *state, frontier=True)        # takes states
-    assert store.nbytes > kv_bytes and store.stats.snapshots == 1
-    store.drop_frontier(keys[0])
+    first = store.insert(keys[0], None, cache, 0, 0, *state, frontier=True)       # takes states
+    second = store.insert(keys[0], None, cache, 0, 0, *state, frontier=True)      # a second request's claim
+    assert first is second is store.entries[keys[0]] and store.nbytes > kv_bytes and store.stats.snapshots == 1
+    store.drop_frontier(keys[0], first)
+    assert store.entries[keys[0]].states is not None                              # still claimed
+    store.drop_frontier(keys[0], second)
     assert store.nbytes == kv_bytes and store.entries[keys[0]].states is None and store.stats.snapshots == 0
-    assert store.insert(keys[1], keys[0], cache, 0, 1, *state, frontier=True)
-    assert not store.insert(keys[1], keys[0], cache, 0, 1, *state, frontier=False)   # wanted for good now
-    store.drop_frontier(keys[1])
+    claim = store.insert(keys[1], keys[0], cache, 0, 1, *state, frontier=True)
+    assert store.insert(keys[1], keys[0], cache, 0, 1, *state, frontier=False) is None   # wanted for good now
+    store.drop_frontier(keys[1], claim)
     assert store.entries[keys[1]].states is not None
     assert store.match(keys, 3) == (2, 2)
+    stale = store.insert(keys[2], keys[1], cache, 0, 2, *state, frontier=True)
+    store.entries.pop(keys[2])   # (as an eviction does, by hand)
+    store.entries[keys[1]].children -= 1
+    store.nbytes -= stale.nbytes
+    store.stats.snapshots -= 1
+    again = store.insert(keys[2], keys[1], cache, 0, 2, *state, frontier=True)
+    store.drop_frontier(keys[2], stale)
+    assert store.entries[keys[2]] is again and again.states is not None
+    assert store.nbytes == sum(e.nbytes for e in store.entries.values())
+
+
+@pytest.mark.parametrize("block_size", [12, 20])
+@pytest.mark.parametrize("algorithm", ["low_confidence", "verify"])
+def test_the_same_prompt_again_restores_what_its_policy_may_at_any_request_block_size(model, algorithm, block_size):
+    """States are kept at the last block the request's lookup may restore (its policy's `reusable`, in whole
+    request blocks), not only at the prompt's last model block (found by a review: at request blocks of 12 and 20
+    the second run of a prompt restored nothing, the third all)."""
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    params = SamplingParams(**{**vars(_params(algorithm)), "block_size": block_size})
+    for prompt in (_tokens(37, 21), _tokens(47, 22)):
+        want = Engine(model).generate([prompt], params)[0].token_ids
+        runs = [engine.generate([prompt], params)[0] for _ in range(2)]
+        assert [r.token_ids for r in runs] == [want, want]
+        whole = len(prompt) // block_size * block_size   # the policies' `reusable` (no prompt ends on a boundary)
+        assert [r.stats.cached_tokens for r in runs] == [0, whole // 8 * 8]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_finished_reply_keeps_its_last_states_while_a_longer_twin_goes_on(model, algorithm):
+    """Two requests of one prompt decoding the same tokens, one stopping early: the short one's deepest block is
+    also the long one's frontier for a while, and the long one going past it must not drop it (found by a review:
+    the next turn of the short one restored 16 of 45 tokens, not 40)."""
+    prompt = _tokens(21, 23)
+    engine = Engine(model, max_batch_size=2, prefix_cache_bytes=64 << 20)
+    _, short = engine.generate([prompt, prompt], [_params(algorithm, 40), _params(algorithm, 20)])   # (long first)
+    turn2 = prompt + short.token_ids + _tokens(4, 24)
+    got = engine.generate([turn2], _params(algorithm))[0]
+    assert got.token_ids == Engine(model).generate([turn2], _params(algorithm))[0].token_ids
+    assert got.stats.cached_tokens == (len(prompt) + 20) // 8 * 8
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])

@@ -339,6 +339,7 @@ class Engine:
         """Restore the longest cached block prefix of the prompt that the sequence's policy may reuse."""
         size = self.prefix.block_size
         limit = self.policies[s.params.algorithm].reusable(s) // size
+        s.reuse_block = limit - 1
         keys = block_keys(s.prompt[: limit * size], size)
         n, cached = self.prefix.match(keys, limit)
         s.branch = cached - 1 if cached > n else None   # states there next time: the next such prompt restores it all
@@ -354,11 +355,11 @@ class Engine:
 
     def _keeps_state(self, s: SequenceState, block: int) -> bool:
         """Whether the prefix cache keeps the GDN states after block `block` of `s` for good (not only as its
-        frontier): every `state_every`-th block, the prompt's last whole block (and the one before it when the
-        prompt ends on a boundary: `ar` and `verify` prefill a prompt's last token, so the same prompt again
-        restores up to there), a branch its lookup found."""
-        size, n = self.prefix.block_size, len(s.prompt)
-        return self.prefix.periodic(block) or block in (n // size - 1, (n - 1) // size - 1) or block == s.branch
+        frontier): every `state_every`-th block, the prompt's last whole block (where its next turn goes on), the
+        last one its policy may restore (where the same prompt's lookup stops: before the last token for `ar` and
+        `verify`, whole request blocks for block diffusion), a branch its lookup found."""
+        return (self.prefix.periodic(block) or block in (len(s.prompt) // self.prefix.block_size - 1, s.reuse_block)
+                or block == s.branch)
 
     def _snapshot_blocks(self, s: SequenceState, old: int, new: int) -> list[int]:
         """The blocks, ending inside a forward that takes `s` from `old` to `new` committed tokens, after which
@@ -399,12 +400,12 @@ class Engine:
                     j = trace.chunks.index(b + 1 - old // size)   # (chunk c starts at the c-th boundary from old's)
                     states = [trace.states[i][idx, :, j] if i in gdn else None for i in range(n_layers)]
                     ring = [trace.rings[i][idx, j] if i in gdn else None for i in range(n_layers)]
-                held = self.prefix.insert(s.chain[b], s.chain[b - 1] if b else None, cache, s.row, b, states, ring,
-                                          frontier=not keep)
-                if states is not None and gdn and b == new // size - 1:   # the request's new frontier
-                    if s.frontier != s.chain[b]:
-                        self.prefix.drop_frontier(s.frontier)
-                    s.frontier = s.chain[b] if held and not keep else None
+                claim = self.prefix.insert(s.chain[b], s.chain[b - 1] if b else None, cache, s.row, b, states, ring,
+                                           frontier=bool(gdn) and not keep)
+                if states is not None and gdn and b == new // size - 1:   # the request's new deepest block
+                    if s.frontier is not None:
+                        self.prefix.drop_frontier(*s.frontier)
+                    s.frontier = None if claim is None else (s.chain[b], claim)
 
     # -- what policies call --------------------------------------------------------------------------
     def forward(self, seqs: list[SequenceState], fn: str, ids: torch.Tensor, lengths: list[int],

@@ -15,11 +15,13 @@ GDN states are sparse: a layer's state is a whole [H,K,V] matrix, ~6.6x a block'
 in fp32 and ~98x for the 35B preset in bf16 (~61 MiB a block), so a state at every block would spend
 the budget on states (a 256 MiB cache would hold ~130 tokens of a 35B model's prefixes). States are
 kept after every `state_every`-th block of a sequence, after the last whole block of each prompt (where
-the next turn of a conversation diverges, e.g. a chat template that drops earlier reasoning; and the
-block before it when the prompt ends on a boundary, which `ar` and `verify` restore the same prompt up to), after the
-deepest cached block a lookup found beyond the states it could restore (a branch point, such as the end
-of a shared system prompt: the next request that shares it restores it whole), and after the deepest
-block each request has reached (its frontier, dropped when the request goes past it). This is the
+the next turn of a conversation goes on, or diverges: e.g. a chat template that drops earlier reasoning),
+after the last block the request's lookup could restore (where the same prompt's lookup stops: before
+its last token for `ar` and `verify`, whole request blocks for block diffusion), after the deepest
+cached block a lookup found beyond the states it could restore (a branch point, such as the end of a
+shared system prompt: the next request that shares it restores it whole), and after the deepest block
+each request has reached (its frontier: requests claim it, and the states go when the last claimant
+has gone past it; a request that finishes keeps its claim, so its end stays). This is the
 choice vLLM and SGLang make for Mamba-style layers (states at coarse blocks or at the ends of inserted
 sequences, K/V for every token); a lookup reuses at most `state_every` blocks less than dense states would.
 
@@ -66,7 +68,8 @@ class Entry:
     nbytes: int
     parent: bytes | None                 # the key of the block before (None for block 0)
     children: int = 0                    # cached blocks that continue this one
-    frontier: bool = False               # its states are only a running request's frontier (dropped as it moves)
+    pinned: bool = False                 # its states are kept for good (else only while requests claim them
+    owners: int = 0                      # as their frontier: how many do)
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in (self.states or [], self.rings or []) for t in ts
@@ -147,57 +150,69 @@ class PrefixStore:
     # -- insert --------------------------------------------------------------------------------------
     def insert(self, key: bytes, parent: bytes | None, cache: PrefixCache, row: int, block: int,
                states: list[torch.Tensor | None] | None, rings: list[torch.Tensor | None] | None,
-               frontier: bool = False) -> bool:
+               frontier: bool = False) -> Entry | None:
         """Keep block `block` of cache row `row` (its K/V), with the GDN `states` / `rings` after it where
         given (None: K/V only; a cached block without states takes them); `parent` is the key of the block
-        before it. `frontier`: the states are kept only as a request's deepest point (`drop_frontier`).
-        Returns whether the block is cached holding states given here."""
+        before it. `frontier`: the states are wanted only as a request's deepest point: the entry is returned
+        holding that request's claim on them, which `drop_frontier` gives back (states kept for good, and
+        blocks kept without states, return None)."""
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
             if states is None or rings is None:
-                return False
+                return None
             if entry.states is not None:
-                entry.frontier = entry.frontier and frontier   # (kept for good once some request wants it so)
-                return False
+                if not frontier:
+                    entry.pinned = True   # (kept for good once some request wants it so)
+                    return None
+                entry.owners += 0 if entry.pinned else 1
+                return None if entry.pinned else entry
             entry.states, entry.rings = _copies(states), _copies(rings)
-            entry.frontier = frontier
             added = entry.state_bytes()
+            if entry.nbytes + added > self.max_bytes:   # (the block alone with its states over the budget: K/V only)
+                entry.states = entry.rings = None
+                return None
             entry.nbytes += added
             self.nbytes += added
-            self.stats.snapshots += 1
-            self._fit()
-            return key in self.entries
-        if parent is not None and parent not in self.entries:
-            return False  # unreachable: lookups walk the chain from block 0
-        s = self.block_size
-        keys = [None if k is None else k[row, :, block * s:(block + 1) * s].clone() for k in cache.keys]
-        values = [None if v is None else v[row, :, block * s:(block + 1) * s].clone() for v in cache.values]
-        held = states is not None and rings is not None
-        entry = Entry(keys, values, _copies(states) if held else None, _copies(rings) if held else None, 0, parent,
-                      frontier=frontier and held)
-        entry.nbytes = sum(t.numel() * t.element_size() for ts in (keys, values) for t in ts if t is not None) \
-            + entry.state_bytes()
-        if entry.nbytes > self.max_bytes:
-            return False
-        self.entries[key] = entry
-        if parent is not None:
-            self.entries[parent].children += 1
-            self.entries.move_to_end(parent)
-        self.nbytes += entry.nbytes
-        self.stats.inserted += 1
-        self.stats.snapshots += held
+        else:
+            if parent is not None and parent not in self.entries:
+                return None  # unreachable: lookups walk the chain from block 0
+            s = self.block_size
+            keys = [None if k is None else k[row, :, block * s:(block + 1) * s].clone() for k in cache.keys]
+            values = [None if v is None else v[row, :, block * s:(block + 1) * s].clone() for v in cache.values]
+            entry = Entry(keys, values, None, None, 0, parent)
+            entry.nbytes = sum(t.numel() * t.element_size() for ts in (keys, values) for t in ts if t is not None)
+            if entry.nbytes > self.max_bytes:
+                return None
+            if states is not None and rings is not None:
+                entry.states, entry.rings = _copies(states), _copies(rings)
+                if entry.nbytes + entry.state_bytes() > self.max_bytes:
+                    entry.states = entry.rings = None
+                else:
+                    entry.nbytes += entry.state_bytes()
+            self.entries[key] = entry
+            if parent is not None:
+                self.entries[parent].children += 1
+                self.entries.move_to_end(parent)
+            self.nbytes += entry.nbytes
+            self.stats.inserted += 1
+        if entry.states is None:
+            return None
+        self.stats.snapshots += 1
+        entry.pinned, entry.owners = not frontier, int(frontier)
         self._fit()
-        return held and key in self.entries
+        return entry if frontier and self.entries.get(key) is entry else None
 
-    def drop_frontier(self, key: bytes | None) -> None:
-        """Drop the GDN states of block `key` if they are only a request's frontier (it has gone past them)."""
-        entry = self.entries.get(key) if key is not None else None
-        if entry is None or entry.states is None or not entry.frontier:
+    def drop_frontier(self, key: bytes, entry: Entry) -> None:
+        """Give back a request's claim on the states of block `key` (`insert`'s `entry`): it has gone past them.
+        They are dropped, K/V kept, when no request claims them and none wants them for good."""
+        if self.entries.get(key) is not entry or entry.states is None or entry.pinned:
+            return   # (evicted, perhaps cached again since: not this claim's entry)
+        entry.owners -= 1
+        if entry.owners > 0:
             return
         freed = entry.state_bytes()
         entry.states = entry.rings = None
-        entry.frontier = False
         entry.nbytes -= freed
         self.nbytes -= freed
         self.stats.snapshots -= 1

@@ -13,6 +13,7 @@ from clover.engine.structured import Matcher, Pending
 
 if TYPE_CHECKING:
     from clover.engine.policies import ContextLookup
+    from clover.engine.prefix_cache import Entry
 
 
 @dataclass
@@ -140,7 +141,8 @@ class SequenceState:
     stop_tails_at: int = 0
     chain: list[bytes] = field(default_factory=list)  # prefix-cache keys of the committed blocks
     branch: int | None = None                  # prefix cache: the block its lookup found cached beyond the states
-    frontier: bytes | None = None              # prefix cache: the block whose states are only its frontier
+    reuse_block: int | None = None             # prefix cache: the last block its lookup could restore
+    frontier: tuple[bytes, Entry] | None = None   # prefix cache: the block (key, entry) it claims as its frontier
     step: int = 0
     pos: int = 0                               # committed positions in the cache
     block: torch.Tensor | None = None          # current block token ids [S]
