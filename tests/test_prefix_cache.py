@@ -466,3 +466,18 @@ def test_a_finished_reply_keeps_its_last_states_while_a_longer_twin_goes_on(mode
 def test_a_state_interval_that_is_not_a_whole_number_of_blocks_is_refused(model, every):
     with pytest.raises(ValueError, match="state interval"):
         Engine(model, prefix_cache_bytes=1 << 20, prefix_state_every=every)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_only_requests_with_the_same_cache_salt_share_prefixes(model, algorithm):
+    """vLLM's `cache_salt`: it goes into the first block's key, so a salted prompt shares nothing with the same
+    prompt unsalted or under another salt, and everything with the same salt."""
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    prompt = _tokens(37, 25)
+    want = Engine(model).generate([prompt], _params(algorithm))[0].token_ids
+    cached = []
+    for salt in ("tenant-a", "tenant-b", None, "tenant-a", None):
+        got = engine.generate([prompt], _params(algorithm).with_(cache_salt=salt))[0]
+        assert got.token_ids == want
+        cached.append(got.stats.cached_tokens)
+    assert cached[:3] == [0, 0, 0] and cached[3] == cached[4] == 32

@@ -426,6 +426,24 @@ def test_metrics_use_vllms_names_and_count_a_request(server):
         assert any(k[0] == name for k in after), name
 
 
+def test_a_cache_salt_keeps_prefixes_apart_and_a_bad_one_is_a_400(server):
+    """vLLM's `cache_salt`: the same conversation under another salt reuses none of the first's blocks, under the
+    same salt it does; an empty or non-string salt is a 400 naming the field (the salt is not echoed)."""
+    url, client = server
+    messages = [{"role": "system", "content": "Salted system prompt for a tenant. " * 10},
+                {"role": "user", "content": "Name three colours."}]
+    cached = []
+    for salt in ("tenant-1", "tenant-2", "tenant-1"):
+        reply = client.chat.completions.create(model="debug", messages=messages, max_tokens=4,
+                                               extra_body={"ignore_eos": True, "cache_salt": salt})
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] == cached[1] == 0 and cached[2] > 0
+    for bad in ("", 7, "x" * 1025):
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "cache_salt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+        assert (bad if isinstance(bad, str) and bad else "xxxxxxxx") not in r.text
+
+
 def test_a_repeated_conversation_reuses_its_prefix_and_answers_the_same(server):
     url, client = server
     system = "You are a careful assistant. " * 12

@@ -340,7 +340,7 @@ class Engine:
         size = self.prefix.block_size
         limit = self.policies[s.params.algorithm].reusable(s) // size
         s.reuse_block = limit - 1
-        keys = block_keys(s.prompt[: limit * size], size)
+        keys = block_keys(s.prompt[: limit * size], size, salt=s.params.cache_salt)
         n, cached = self.prefix.match(keys, limit)
         s.branch = cached - 1 if cached > n else None   # states there next time: the next such prompt restores it all
         stats = self.prefix.stats
@@ -383,7 +383,7 @@ class Engine:
             if new // size == old // size:
                 continue
             tokens = (s.prompt + s.generated)[:new]
-            s.chain = block_keys(tokens, size, s.chain)
+            s.chain = block_keys(tokens, size, s.chain, s.params.cache_salt)
             wanted = set(self._snapshot_blocks(s, old, new))
             for b in range(old // size, new // size):
                 end, keep = (b + 1) * size, self._keeps_state(s, b)

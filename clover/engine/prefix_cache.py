@@ -49,11 +49,14 @@ import torch
 from clover.model.cache import PrefixCache
 
 
-def block_keys(tokens: Sequence[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
-    """Chain keys of every complete block of `tokens` (extending `start`, the keys already known)."""
+def block_keys(tokens: Sequence[int], block_size: int, start: list[bytes] | None = None,
+               salt: str | None = None) -> list[bytes]:
+    """Chain keys of every complete block of `tokens` (extending `start`, the keys already known). A `salt` (a
+    request's cache_salt) goes into the first block's key, so only requests with the same salt share blocks."""
     keys = list(start or [])
+    seed = b"clover" if salt is None else b"clover-salt\0" + salt.encode()
     for b in range(len(keys), len(tokens) // block_size):
-        h = hashlib.blake2b(keys[-1] if keys else b"clover", digest_size=16)
+        h = hashlib.blake2b(keys[-1] if keys else seed, digest_size=16)
         h.update(np.asarray(tokens[b * block_size: (b + 1) * block_size], dtype=np.int64).tobytes())
         keys.append(h.digest())
     return keys

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from clover.engine.structured import Constraint
+from clover.model.chat import lone_surrogate
 from clover.model.config import GenerationConfig
 
 ALGORITHMS = ("low_confidence", "ar", "verify")
@@ -57,6 +58,7 @@ class SamplingParams:
     constraint: Constraint | None = None   # a grammar the reply must match (structured output)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit), OpenAI's
     min_tokens: int = 0                 # no stop token or stop string before this many generated tokens
+    cache_salt: str | None = None       # vLLM's: only requests with the same salt share cached prefixes
     record_steps: bool = False          # keep the step that accepted each token and a per-step trace
 
     def __post_init__(self) -> None:
@@ -132,6 +134,10 @@ class SamplingParams:
             bad("logit_bias", f"up to 1024 token ids in [0, {vocab_size}) with biases between -100 and 100")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             bad("min_tokens", "an integer between 0 and max_tokens")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > 1024 or lone_surrogate(self.cache_salt)):
+            raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string of at most 1024 characters "
+                                   "(without lone surrogates), if given")   # (the salt is not echoed: a secret)
         if self.constraint is not None and self.ignore_eos:
             bad("ignore_eos", "off with a grammar (structured output), which ends the reply when it is complete")
         if self.logprobs is not None:

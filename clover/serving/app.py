@@ -303,7 +303,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
                               logprobs=logprobs, constraint=constraint, logit_bias=tuple(bias),
                               min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids or ()),
                               min_p=0.0 if req.min_p is None else req.min_p,
-                              include_stop_str_in_output=req.include_stop_str_in_output)
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              cache_salt=req.cache_salt)
 
     def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])

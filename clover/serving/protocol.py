@@ -186,6 +186,7 @@ class SamplingRequest(_Request):
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = None               # vLLM's: only requests with the same salt share cached prefixes
     return_tokens_as_token_ids: bool = False    # vLLM's: logprobs name tokens "token_id:{id}"
     # structured output: OpenAI's response_format, and vLLM's guided_* / structured_outputs
     response_format: ResponseFormat | None = None
