@@ -481,3 +481,34 @@ def test_only_requests_with_the_same_cache_salt_share_prefixes(model, algorithm)
         assert got.token_ids == want
         cached.append(got.stats.cached_tokens)
     assert cached[:3] == [0, 0, 0] and cached[3] == cached[4] == 32
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_reset_in_the_middle_of_a_request_changes_nothing_it_writes(model, algorithm):
+    """`Engine.reset_prefix_cache` drops every block (the counters go on); a request running meanwhile finishes as
+    without a cache and caches nothing more (its chain from block 0 is gone: no lookup could reach its blocks); the
+    next request fills the cache again, the byte and state counts exact."""
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    prompt = _tokens(29, 26)
+    engine.generate([prompt], _params(algorithm, 6))
+    rid = engine.add_request(prompt + _tokens(3, 27), _params(algorithm, 40))
+    result = None
+    for step in range(200):
+        if step == 3:
+            blocks, nbytes = engine.reset_prefix_cache()
+            assert blocks > 0 and nbytes > 0 and engine.prefix.nbytes == 0 and not engine.prefix.entries
+        for ev in engine.step():
+            if ev.finished and ev.request_id == rid:
+                result = ev.result
+        if result is not None:
+            break
+    want = Engine(model).generate([prompt + _tokens(3, 27)], _params(algorithm, 40))[0].token_ids
+    assert result is not None and result.token_ids == want and result.stats.cached_tokens > 0
+    store = engine.prefix
+    assert not store.entries and store.nbytes == 0
+    engine.generate([prompt], _params(algorithm, 6))
+    assert store.entries and store.nbytes == sum(e.nbytes for e in store.entries.values())
+    assert store.stats.snapshots == sum(e.states is not None for e in store.entries.values())
+    assert store.stats.hits == 1
+    with pytest.raises(ValueError, match="prefix cache is off"):
+        Engine(model).reset_prefix_cache()

@@ -438,6 +438,11 @@ def test_a_cache_salt_keeps_prefixes_apart_and_a_bad_one_is_a_400(server):
                                                extra_body={"ignore_eos": True, "cache_salt": salt})
         cached.append(reply.usage.prompt_tokens_details.cached_tokens)
     assert cached[0] == cached[1] == 0 and cached[2] > 0
+    reset = httpx.post(url + "/reset_prefix_cache").json()   # vLLM's route: every cached prefix dropped
+    assert reset["reset"] and reset["blocks_dropped"] > 0 and reset["bytes_dropped"] > 0
+    again = client.chat.completions.create(model="debug", messages=messages, max_tokens=4,
+                                           extra_body={"ignore_eos": True, "cache_salt": "tenant-1"})
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
     for bad in ("", 7, "x" * 1025):
         r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "cache_salt": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
@@ -628,6 +633,9 @@ def test_full_queue_answers_429_and_api_key_is_enforced():
         assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 401   # the tokenizer needs it
         assert http.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekrit"}).status_code \
             == 200
+        assert http.post("/reset_prefix_cache").status_code == 401                # so does dropping the cache
+        off = http.post("/reset_prefix_cache", headers={"Authorization": "Bearer sekrit"})
+        assert off.status_code == 400 and "prefix cache is off" in off.json()["error"]["message"]
     app = build_app(TextScriptModel([5] * 500, config), tok, ServerConfig(model_name="m", max_waiting=0,
                                                                           max_body_bytes=2000), max_batch_size=1)
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -413,7 +413,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server with continuous batching",
         description="Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, "
-                    "/health, /metrics, /tokenize, /detokenize. Extra body fields: algorithm, block_size, threshold, "
+                    "/health, /metrics, /tokenize, /detokenize, /reset_prefix_cache. Extra body fields: algorithm, block_size, threshold, "
                     "max_accept_per_step, top_k, repetition_penalty, ignore_eos, min_tokens, constrain_tool_calls, cache_salt, "
                     "chat_template_kwargs.enable_thinking.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -335,6 +335,13 @@ class Engine:
         return admitted
 
     # -- prefix cache --------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Drop every cached prefix (e.g. before a cold measurement, or after the weights changed: entries are keyed
+        by tokens only): (blocks, bytes) dropped. ValueError where the engine has no prefix cache."""
+        if self.prefix is None:
+            raise ValueError("the prefix cache is off (prefix_cache_bytes 0): there is nothing to reset")
+        return self.prefix.clear()
+
     def _reuse_prefix(self, s: SequenceState) -> None:
         """Restore the longest cached block prefix of the prompt that the sequence's policy may reuse."""
         size = self.prefix.block_size

@@ -220,6 +220,14 @@ class PrefixStore:
         self.nbytes -= freed
         self.stats.snapshots -= 1
 
+    def clear(self) -> tuple[int, int]:
+        """Drop every cached block (the statistics' counters go on): (blocks, bytes) dropped. Requests running keep
+        their rows; their frontier claims then name entries no longer cached, which `drop_frontier` ignores."""
+        dropped = len(self.entries), self.nbytes
+        self.entries.clear()
+        self.nbytes = self.stats.snapshots = 0
+        return dropped
+
     def _fit(self) -> None:
         while self.nbytes > self.max_bytes:
             self._evict_one()

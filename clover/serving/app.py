@@ -723,6 +723,15 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         # off the event loop: a million tokens took 0.5 s, during which no other request was answered
         return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens)}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        """Drop every cached prefix (vLLM's route; SGLang's /flush_cache): requests in flight go on."""
+        try:
+            blocks, nbytes = await engine.call(lambda e: e.reset_prefix_cache(), admit=False)
+        except ValueError as exc:
+            raise APIError(400, f"{exc} (clover serve --prefix-cache-bytes)") from exc
+        return {"reset": True, "blocks_dropped": blocks, "bytes_dropped": nbytes}
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         # 503 where the engine thread has ended (a load balancer or supervisor then takes the server out)
@@ -738,8 +747,9 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
 
 
 SHUTDOWN_GRACE_S = 30
-# routes outside /v1/ that an --api-key protects as well (they run the tokenizer on the caller's text)
-PROTECTED = ("/tokenize", "/detokenize")
+# routes outside /v1/ that an --api-key protects as well (they run the tokenizer on the caller's text, or drop the
+# prefix cache)
+PROTECTED = ("/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
