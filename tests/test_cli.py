@@ -1,6 +1,7 @@
 """The `clover` command: init, info, check (conversion is tested with the checkpoints)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -168,6 +169,15 @@ def test_chat_session(text_model):
     assert "(history cleared)" in out.stdout
     # found by a hostile pass: "/exit now" was an unknown command, "/steps on" said nothing
     assert "/exit takes nothing after it" in out.stdout and "(steps on)" in out.stdout
+    # each turn resends the conversation: the prefix cache restores the earlier turns, the replies unchanged
+    turns = "hello there, how are you today\nand what about tomorrow then\nthird\n/exit\n"
+    cached = _run("chat", "--model", text_model, "--max-new-tokens", "8", "--no-think", stdin=turns)
+    plain = _run("chat", "--model", text_model, "--max-new-tokens", "8", "--no-think", "--prefix-cache-bytes", "0",
+                 stdin=turns)
+    assert cached.returncode == plain.returncode == 0, cached.stderr + plain.stderr
+    assert "from the cache" not in plain.stdout and cached.stdout.count("prompt tokens from the cache") == 2
+    strip = lambda text: re.sub(r"[\d.]+ tokens/s.*\]", "]", text)   # noqa: E731 - timings and cache notes differ
+    assert strip(cached.stdout) == strip(plain.stdout)
     long = _run("chat", "--model", text_model, "--max-new-tokens", "8", stdin="word " * 1100 + "\n/exit\n")
     # the failed turn is the exit status's (a piped chat whose turns failed exited 0)
     assert long.returncode == 1 and "exceeds the context limit" in long.stderr and "/reset" not in long.stderr

@@ -512,3 +512,33 @@ def test_a_reset_in_the_middle_of_a_request_changes_nothing_it_writes(model, alg
     assert store.stats.hits == 1
     with pytest.raises(ValueError, match="prefix cache is off"):
         Engine(model).reset_prefix_cache()
+
+
+def test_cache_points_keep_the_state_at_the_last_block_before_each(model):
+    """`SamplingParams.cache_points` (a chat prompt's last <|im_start|>, `Tokenizer.reply_start`): the state after the
+    last whole block at or before each position is kept for good; a next prompt parting there restores up to it."""
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    prompt = _tokens(61, 28)
+    engine.generate([prompt], _params("low_confidence", 4).with_(cache_points=(29, 46)))
+    keys = block_keys(prompt, 8)
+    held = [b for b, k in enumerate(keys) if engine.prefix.entries[k].states is not None]
+    assert held == [2, 4, 6]                       # 29 -> block 2 (ends 24), 46 -> block 4 (ends 40), the prompt's end
+    nxt = prompt[:44] + _tokens(20, 29)            # parts at 44
+    got = engine.generate([nxt], _params("low_confidence"))[0]
+    assert got.stats.cached_tokens == 40
+    assert got.token_ids == Engine(model).generate([nxt], _params("low_confidence"))[0].token_ids
+    for bad in ((-1,), (1.5,), tuple(range(65))):
+        with pytest.raises(ValueError, match="cache_points"):
+            engine.generate([prompt], _params("ar").with_(cache_points=bad))
+
+
+def test_reply_start_is_the_last_turns_im_start():
+    from clover.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
+    ids = tok.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    start = tok.special_ids["<|im_start|>"]
+    assert tok.reply_start(ids) == (max(i for i, t in enumerate(ids) if t == start),)
+    head = tok.encode("<|im_start|>assistant\n")   # (then the generation prompt's think markup, if any)
+    assert ids[tok.reply_start(ids)[0]:][: len(head)] == head
+    assert tok.reply_start(tok.encode("no chat here")) == ()

@@ -465,6 +465,18 @@ def test_a_repeated_conversation_reuses_its_prefix_and_answers_the_same(server):
     other = [client.chat.completions.create(**{**body, "messages": [messages[0], {"role": "user", "content": q}]})
              for q in ("Hi", "Hello there")]
     assert other[1].usage.prompt_tokens_details.cached_tokens >= 64
+    # the next turn: with thinking off the first prompt ends in an empty think block that the next one does not
+    # render, so they part just after the last turn's <|im_start|>; the model's state was kept at the last block
+    # boundary before it, and the next turn restores every block up to there
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    body_off = {**body, "extra_body": {**body["extra_body"], **off}}
+    reply = client.chat.completions.create(**{**body_off, "messages": [messages[0], {"role": "user", "content": "Why?"}]})
+    turn2 = [messages[0], {"role": "user", "content": "Why?"},
+             {"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "And?"}]
+    follow = client.chat.completions.create(**{**body_off, "messages": turn2})
+    tokens = httpx.post(url + "/tokenize", json={"messages": turn2[:2], **off}).json()["tokens"]
+    starts = [i for i, t in enumerate(tokens) if t == tokens[0]]   # (the prompt opens with <|im_start|>)
+    assert follow.usage.prompt_tokens_details.cached_tokens == starts[-1] // 8 * 8 > 64
 
 
 # -- tool calls, over a scripted model -----------------------------------------------------------------------

@@ -292,7 +292,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         _utf8(args.system, "--system")   # (else every turn would fail, and no /reset could help)
     loaded = _load(args)
-    tok, engine = loaded.tokenizer, Engine(loaded.model, loaded.tokenizer)
+    def new_engine() -> Engine:   # (each turn resends the conversation: the prefix cache restores what it has seen)
+        return Engine(loaded.model, loaded.tokenizer, prefix_cache_bytes=args.prefix_cache_bytes)
+
+    tok, engine = loaded.tokenizer, new_engine()
     params = sampling_params(args, loaded.generation)
     params.validate(loaded.model.config.vocab_size)   # a bad option is an error now, not at every turn
     context = loaded.model.config.max_position_embeddings
@@ -350,15 +353,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         prompt = tok.apply_chat_template(system + messages, enable_thinking=thinking)
         try:
-            result, content, error = _print_turn(
-                engine, tok, tok.encode_chat(system + messages, enable_thinking=thinking), params, thinking)
+            ids = tok.encode_chat(system + messages, enable_thinking=thinking)
+            result, content, error = _print_turn(engine, tok, ids, params.with_(cache_points=tok.reply_start(ids)),
+                                                 thinking)
         except ValueError as exc:  # e.g. the conversation outgrew the context
             messages.pop()
             failed += 1
             print(f"error: {exc}." + (" Use /reset to start over." if messages else ""), file=sys.stderr)
             continue
         except KeyboardInterrupt:
-            engine = Engine(loaded.model, tok)  # drop the interrupted request
+            engine = new_engine()  # drop the interrupted request
             messages.pop()
             print(f"\n{dim}(interrupted){reset}")
             continue
@@ -369,8 +373,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "assistant", "content": content})
         s = result.stats
+        cached = f", {s.cached_tokens} of {s.prompt_tokens} prompt tokens from the cache" if s.cached_tokens else ""
         print(f"{dim}[{s.generated_tokens} tokens, {s.nfe} forwards, TPF {s.tpf:.2f}, {s.tokens_per_s:.1f} "
-              f"tokens/s]{reset}")
+              f"tokens/s{cached}]{reset}")
         if show_steps:
             print(render_steps_ansi(result, tok.decode))
         if args.trace:
@@ -388,6 +393,9 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--system", help="system message")
     p.add_argument("--no-think", action="store_true", help="start with thinking off (/think on turns it back on)")
+    p.add_argument("--prefix-cache-bytes", type=nonnegative_int, default=256 << 20,
+                   help="memory for the conversation's prefixes kept across turns, so a turn prefills only what is "
+                        "new (default 256 MiB; 0 turns it off)")
     _add_model_options(p)
     _add_decoding_options(p)
     p.set_defaults(func=cmd_chat)

@@ -364,9 +364,11 @@ class Engine:
         """Whether the prefix cache keeps the GDN states after block `block` of `s` for good (not only as its
         frontier): every `state_every`-th block, the prompt's last whole block (where its next turn goes on), the
         last one its policy may restore (where the same prompt's lookup stops: before the last token for `ar` and
-        `verify`, whole request blocks for block diffusion), a branch its lookup found."""
-        return (self.prefix.periodic(block) or block in (len(s.prompt) // self.prefix.block_size - 1, s.reuse_block)
-                or block == s.branch)
+        `verify`, whole request blocks for block diffusion), a branch its lookup found, the last one before each of
+        its `cache_points` (a chat prompt's last turn: where the next turn's prompt diverges)."""
+        size = self.prefix.block_size
+        return (self.prefix.periodic(block) or block in (len(s.prompt) // size - 1, s.reuse_block) or block == s.branch
+                or any(block == p // size - 1 for p in s.params.cache_points))
 
     def _snapshot_blocks(self, s: SequenceState, old: int, new: int) -> list[int]:
         """The blocks, ending inside a forward that takes `s` from `old` to `new` committed tokens, after which

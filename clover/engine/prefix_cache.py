@@ -19,8 +19,10 @@ the next turn of a conversation goes on, or diverges: e.g. a chat template that 
 after the last block the request's lookup could restore (where the same prompt's lookup stops: before
 its last token for `ar` and `verify`, whole request blocks for block diffusion), after the deepest
 cached block a lookup found beyond the states it could restore (a branch point, such as the end of a
-shared system prompt: the next request that shares it restores it whole), and after the deepest block
-each request has reached (its frontier: requests claim it, and the states go when the last claimant
+shared system prompt: the next request that shares it restores it whole), after the last block before
+each of the request's `cache_points` (the server and `clover chat` give a chat prompt's last
+<|im_start|>: the next turn renders the reply after it otherwise, without its reasoning or an empty
+think block, so the two prompts part there), and after the deepest block each request has reached (its frontier: requests claim it, and the states go when the last claimant
 has gone past it; a request that finishes keeps its claim, so its end stays). This is the
 choice vLLM and SGLang make for Mamba-style layers (states at coarse blocks or at the ends of inserted
 sequences, K/V for every token); a lookup reuses at most `state_every` blocks less than dense states would.

@@ -59,6 +59,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit), OpenAI's
     min_tokens: int = 0                 # no stop token or stop string before this many generated tokens
     cache_salt: str | None = None       # vLLM's: only requests with the same salt share cached prefixes
+    cache_points: tuple[int, ...] = ()  # prompt positions where a prefix cache keeps the model's state (at the
+                                        # last block boundary at or before each): where the next prompt diverges
     record_steps: bool = False          # keep the step that accepted each token and a per-step trace
 
     def __post_init__(self) -> None:
@@ -70,7 +72,7 @@ class SamplingParams:
 
         if isinstance(self.stop, str):
             put("stop", (self.stop,))
-        for name in ("stop", "stop_token_ids", "logit_bias"):
+        for name in ("stop", "stop_token_ids", "logit_bias", "cache_points"):
             if isinstance(getattr(self, name), list):
                 put(name, tuple(getattr(self, name)))
         if isinstance(self.logit_bias, dict):
@@ -138,6 +140,9 @@ class SamplingParams:
                                             or len(self.cache_salt) > 1024 or lone_surrogate(self.cache_salt)):
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string of at most 1024 characters "
                                    "(without lone surrogates), if given")   # (the salt is not echoed: a secret)
+        if not isinstance(self.cache_points, tuple) or len(self.cache_points) > 64 or \
+                any(not _is_int(p) or p < 0 for p in self.cache_points):
+            bad("cache_points", "up to 64 prompt positions (integers >= 0)")
         if self.constraint is not None and self.ignore_eos:
             bad("ignore_eos", "off with a grammar (structured output), which ends the reply when it is complete")
         if self.logprobs is not None:

@@ -119,6 +119,13 @@ class Tokenizer:
         """Ends of generation: end of text and end of turn."""
         return [self.special_ids[EOS_TOKEN], self.special_ids[IM_END]]
 
+    def reply_start(self, ids: list[int]) -> tuple[int, ...]:
+        """Where a chat prompt's last turn begins, (its last <|im_start|>,) or () without one: the next turn's prompt
+        holds everything before it unchanged and renders the reply after it otherwise (without its reasoning or an
+        empty think block), so a prefix cache keeps the model's state there (`SamplingParams.cache_points`)."""
+        start = self.special_ids[IM_START]
+        return next(((i,) for i in range(len(ids) - 1, -1, -1) if ids[i] == start), ())
+
     def encode(self, text: str) -> list[int]:
         """Text -> ids; special tokens written in the text are recognised."""
         try:

@@ -445,7 +445,8 @@ def build_app(model: CloverForCausalLM, tokenizer: Tokenizer, cfg: ServerConfig,
         max_new = req.max_completion_tokens or req.max_tokens
         want = (req.top_logprobs or 0) if req.logprobs else None
         namer = _token_namer(tokenizer, req.return_tokens_as_token_ids)
-        params = _n_params(_params(req, max_new, len(ids), _stops(req.stop), want, prompt.constraint), req.n)
+        params = _n_params(_params(req, max_new, len(ids), _stops(req.stop), want, prompt.constraint)
+                           .with_(cache_points=tokenizer.reply_start(ids)), req.n)
         choices = [_Choice(i, prompt.parser()) for i in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         _check_fits(len(params), "n")
