@@ -19,7 +19,7 @@ from clover.model.checkpoint import (
     sanitize_transformers,
     save_checkpoint,
 )
-from clover.model.config import CloverConfig, ConfigError
+from clover.model.config import CloverConfig, ConfigError, GenerationConfig
 from clover.model.modeling import CloverForCausalLM
 from clover.model.testing import assert_close
 
@@ -514,6 +514,31 @@ def test_transformers_loads_the_shipped_checkpoint_with_its_remote_code():
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.from_pretrained(str(SHIPPED), trust_remote_code=True)
     assert (config.model_type, config.block_size, config.mask_token_id) == ("clover_moe", 32, model.config.mask_token_id)
+
+
+def test_transformers_samples_and_decodes_greedily_with_a_checkpoints_generation_config(tmp_path, debug_model):
+    """generation_config.json is spelled as transformers reads it too (found by a hostile pass: its `temperature: 0.0`
+    made transformers' generate(do_sample=True) and a sampling pipeline raise on every Clover checkpoint): greedy by
+    default there as in Clover, sampling when asked; Clover reads the file back to the same defaults, and reads
+    transformers' `do_sample` as transformers does."""
+    transformers = pytest.importorskip("transformers")
+    save_checkpoint(debug_model, tmp_path / "ck")
+    gen = json.loads((tmp_path / "ck" / "generation_config.json").read_text())
+    assert gen["do_sample"] is False and "temperature" not in gen and "top_k" not in gen
+    assert GenerationConfig.from_dict(gen) == GenerationConfig(block_size=debug_model.config.block_size)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(SHIPPED), trust_remote_code=True,
+                                                           dtype=torch.float32).eval()
+    ids = torch.tensor([[40, 41, 42, 43]])
+    torch.manual_seed(0)
+    sampled = hf.generate(ids, max_new_tokens=4, do_sample=True)
+    greedy = hf.generate(ids, max_new_tokens=4)
+    assert sampled.shape == greedy.shape == (1, 8) and hf.generation_config.do_sample is False
+    assert GenerationConfig.from_dict({"do_sample": False, "temperature": 0.7}).temperature == 0.0
+    assert GenerationConfig.from_dict({"do_sample": True}).temperature == 1.0
+    assert GenerationConfig.from_dict({"do_sample": True, "temperature": 0.3}).temperature == 0.3
+    assert GenerationConfig.from_dict({"temperature": 0.3}).temperature == 0.3   # (a file from before: as written)
+    with pytest.raises(ConfigError, match="do_sample must be true or false"):
+        GenerationConfig.from_dict({"do_sample": "no"})
 
 
 def test_transformers_loads_a_converted_checkpoint_and_an_exported_causal_one(tmp_path, debug_config):

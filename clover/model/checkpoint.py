@@ -141,7 +141,7 @@ def _write_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_
 
 
 def default_generation_config(config: CloverConfig) -> dict:
-    return {**GenerationConfig(block_size=config.block_size).to_dict(), "eos_token_id": config.eos_token_ids,
+    return {**GenerationConfig(block_size=config.block_size).to_file(), "eos_token_id": config.eos_token_ids,
             "mask_token_id": config.mask_token_id}
 
 

@@ -400,9 +400,19 @@ class GenerationConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationConfig:
-        """The decoding fields of a generation_config.json (other keys, such as eos ids, are left out)."""
+        """The decoding fields of a generation_config.json (other keys, such as eos ids, are left out). transformers'
+        `do_sample` is read as transformers reads it: false decodes greedily (temperature 0, whatever temperature
+        the file gives: a file transformers saved may hold one), true samples at the file's temperature, else
+        transformers' 1.0. A field the file leaves out takes Clover's default (top_k: off)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kept = {k: v for k, v in data.items() if k in names}
+        sample = data.get("do_sample")
+        if sample is not None and not isinstance(sample, bool):
+            raise ConfigError(f"do_sample must be true or false, got {sample!r}")
+        if sample is False:
+            kept["temperature"] = 0.0
+        elif sample is True and "temperature" not in kept:
+            kept["temperature"] = 1.0
         for name, value in kept.items():   # kinds only here; ranges are checked per request (SamplingParams)
             whole = _is_number(value) and float(value).is_integer()   # (20.0 is 20)
             kind_ok = {"algorithm": isinstance(value, str), "block_size": value is None or whole,
@@ -417,6 +427,17 @@ class GenerationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def to_file(self) -> dict[str, Any]:
+        """The fields generation_config.json holds, spelled as transformers reads them too: `do_sample` for whether
+        the default samples, and no temperature 0 or top_k 0 (its generate() refused a temperature of 0 once a
+        user asked it to sample; a top_k it ignores when greedy drew a warning at every load): left out, they
+        are Clover's defaults again when read (`from_dict`)."""
+        out = {"do_sample": self.temperature > 0, **self.to_dict()}
+        for name, off in (("temperature", 0.0), ("top_k", 0)):
+            if out[name] == off:
+                del out[name]
+        return out
 
     @staticmethod
     def resolve_block_size(requested: int | None, model: CloverConfig) -> int:
