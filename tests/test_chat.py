@@ -447,9 +447,40 @@ def test_transformers_apply_chat_template_equals_clovers_rendering(tmp_path):
             strings += 1
             assert theirs.apply_chat_template(msgs, **kw) == render_chat(ours.chat_template, msgs, tools, gen, think)
     assert strings > 100
+    # OpenAI content parts (found by a hostile pass: the template wrote their Python repr, Clover joined their
+    # texts, so a transformers fine-tune on such data trained on other text than Clover serves)
+    parts = 0
+    for msgs, tools, gen, think in _renders(_conversations()[::7]):
+        split = [{**m, "content": [{"type": "text", "text": m["content"][:3]}, {"type": "text", "text": m["content"][3:]}]}
+                 if isinstance(m.get("content"), str) else m for m in msgs]
+        kw = dict(tools=tools, add_generation_prompt=gen, enable_thinking=think, tokenize=False)
+        assert theirs.apply_chat_template(parse_tool_arguments(split), **kw) == ours.apply_chat_template(msgs, tools, gen,
+                                                                                                         think)
+        parts += 1
+    assert parts > 100
     msgs = [{"role": "user", "content": "Weather in Oslo?"}]
     assert theirs.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True, tokenize=True,
                                       return_dict=False) == ours.encode_chat(msgs, tools=TOOLS)
+
+
+def test_clovers_earlier_templates_are_read_as_todays(tmp_path, tokenizer):
+    """A checkpoint saved with Clover's template before it rendered content parts itself gets today's (the same text
+    for string contents, tested over the table above against the legacy one)."""
+    import hashlib
+
+    from clover.model.chat import DEFAULT_CHAT_TEMPLATE
+    from clover.model.tokenizer import _EARLIER_TEMPLATES_SHA256
+
+    tokenizer.save(tmp_path)
+    earlier = DEFAULT_CHAT_TEMPLATE.replace("text(m.content)", "m.content")   # (not that file: only its hash is kept)
+    (tmp_path / "chat_template.jinja").write_text(earlier)
+    assert hashlib.sha256(earlier.encode()).hexdigest() not in _EARLIER_TEMPLATES_SHA256
+    assert Tokenizer.load(tmp_path).chat_template == earlier                 # someone's own template: kept
+    assert hashlib.sha256(DEFAULT_CHAT_TEMPLATE.encode()).hexdigest() not in _EARLIER_TEMPLATES_SHA256
+    previous = (Path(__file__).parent / "fixtures" / "chat_template_before_content_parts.jinja").read_text()
+    assert hashlib.sha256(previous.encode()).hexdigest() in _EARLIER_TEMPLATES_SHA256
+    (tmp_path / "chat_template.jinja").write_text(previous)
+    assert Tokenizer.load(tmp_path).chat_template == DEFAULT_CHAT_TEMPLATE
 
 
 def test_a_checkpoint_template_is_read_from_chat_template_jinja(tmp_path, tokenizer):

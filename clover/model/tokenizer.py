@@ -42,16 +42,21 @@ SMALLEST_VOCAB = 256 + len(SPECIAL_TOKENS)   # a trained tokenizer's least: ever
 # trim_blocks and lstrip_blocks off; the file template renders the same text with them on (as
 # transformers renders), over every conversation of tests/test_chat.py's table.
 _LEGACY_TEMPLATE_SHA256 = "b87c531ede4c1a496b2ae9bf79ffa8b840c822acedc6a1df58e1cf25ae811d6b"
+# Clover's earlier templates, read as today's (`read_chat_template`): the legacy one, and the file template before
+# it rendered OpenAI content parts itself (2026-12-07; the same text for string contents).
+_EARLIER_TEMPLATES_SHA256 = {_LEGACY_TEMPLATE_SHA256,
+                             "4fca656e1548857ac2257eb22d672604ac7dc1a6657c88bcdfe2c3078f6f3253"}
 
 
 def read_chat_template(directory: str | os.PathLike) -> str:
     """A checkpoint's chat template, as transformers finds it: `chat_template.jinja`, else the
-    `chat_template` of tokenizer_config.json, else Clover's default (also for the legacy template)."""
+    `chat_template` of tokenizer_config.json, else Clover's default (also for Clover's earlier templates)."""
     directory = Path(directory)
     cfg = directory / "tokenizer_config.json"
     try:
         if (directory / "chat_template.jinja").is_file():
-            return read_text(directory / "chat_template.jinja", MAX_SETTINGS_BYTES)
+            template = read_text(directory / "chat_template.jinja", MAX_SETTINGS_BYTES)
+            return DEFAULT_CHAT_TEMPLATE if _sha256(template) in _EARLIER_TEMPLATES_SHA256 else template
         data = read_json(cfg) if cfg.is_file() else {}
     except ValueError as exc:   # (not UTF-8, not JSON, too large)
         raise TokenizerError(str(exc)) from None
@@ -63,9 +68,13 @@ def read_chat_template(directory: str | os.PathLike) -> str:
         if not isinstance(named.get("default"), str):
             raise TokenizerError(f"{cfg}: chat_template is a list of named templates, none of them named 'default'")
         template = named["default"]
-    if not isinstance(template, str) or hashlib.sha256(template.encode()).hexdigest() == _LEGACY_TEMPLATE_SHA256:
+    if not isinstance(template, str) or _sha256(template) in _EARLIER_TEMPLATES_SHA256:
         return DEFAULT_CHAT_TEMPLATE
     return template
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
