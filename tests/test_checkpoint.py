@@ -541,6 +541,23 @@ def test_transformers_samples_and_decodes_greedily_with_a_checkpoints_generation
         GenerationConfig.from_dict({"do_sample": "no"})
 
 
+def test_a_checkpoint_saved_by_transformers_loads_whole_in_clover(tmp_path):
+    """The remote code holds the block-diffusion extension tensors as parameters its forward does not use, so a
+    `save_pretrained` (after a fine-tune, say) writes them back (found by a hostile pass: they were dropped, and
+    Clover refused the result); the tensors come back bit for bit, and the saved model's logits are the same."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(SHIPPED), trust_remote_code=True).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(SHIPPED / name, tmp_path / "hf" / name)
+    back, shipped = load_checkpoint(tmp_path / "hf"), load_checkpoint(SHIPPED)
+    theirs, ours = back.state_dict(), shipped.state_dict()
+    assert theirs.keys() == ours.keys() and any("conv_right" in k for k in ours)
+    for key, value in ours.items():
+        assert torch.equal(theirs[key], value), key
+    assert (shipped.model.layers[0].linear_attn.history_bias != 0).any()   # (trained, not the neutral values)
+
+
 def test_transformers_loads_a_converted_checkpoint_and_an_exported_causal_one(tmp_path, debug_config):
     """transformers -> `clover convert` -> transformers (remote code) keeps the logits; `clover export --causal`
     writes a plain Qwen3_5MoeForCausalLM checkpoint (no remote code, no extension tensors) with the same logits."""

@@ -1,8 +1,13 @@
 """Clover's model for transformers (`trust_remote_code`): the causal mode, which is exactly transformers'
-`Qwen3_5MoeForCausalLM` on the backbone weights. The block-diffusion extension tensors (`conv_right`,
-`preview_log_scale`, `history_bias`) serve only Clover's preview mode and are not loaded. Copied into
-Clover checkpoints; imports transformers only."""
+`Qwen3_5MoeForCausalLM` on the backbone weights. The block-diffusion extension tensors of each Gated DeltaNet
+layer (`conv_right`, `preview_log_scale`, `history_bias`) serve only Clover's preview mode: they are held as
+parameters that the forward does not use, so that `save_pretrained` (after a fine-tune, say) writes them back
+and Clover loads the result whole. Copied into Clover checkpoints; imports torch and transformers only."""
 
+import math
+
+import torch
+from torch import nn
 from transformers import Qwen3_5MoeForCausalLM
 
 from .configuration_clover import CloverConfig
@@ -10,4 +15,23 @@ from .configuration_clover import CloverConfig
 
 class CloverForCausalLM(Qwen3_5MoeForCausalLM):
     config_class = CloverConfig
-    _keys_to_ignore_on_load_unexpected = [r"\.conv_right$", r"\.preview_log_scale$", r"\.history_bias$"]
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__(config)
+        for layer in self.model.layers:
+            gdn = getattr(layer, "linear_attn", None)
+            if gdn is None:
+                continue
+            channels, _, width = gdn.conv1d.weight.shape
+            heads = config.linear_num_value_heads
+            gdn.conv_right = nn.Parameter(torch.zeros(channels, width - 1))
+            gdn.preview_log_scale = nn.Parameter(torch.full((heads,), math.log(math.sqrt(config.linear_key_head_dim))))
+            gdn.history_bias = nn.Parameter(torch.zeros(heads))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(getattr(module, "conv_right", None), nn.Parameter):   # (Clover's neutral values: no effect)
+            with torch.no_grad():
+                module.conv_right.zero_()
+                module.preview_log_scale.fill_(math.log(math.sqrt(self.config.linear_key_head_dim)))
+                module.history_bias.zero_()
