@@ -16,6 +16,7 @@ from clover.model.checkpoint import (
     CheckpointError,
     convert_transformers_checkpoint,
     load_checkpoint,
+    load_for_generation,
     sanitize_transformers,
     save_checkpoint,
 )
@@ -790,3 +791,37 @@ def test_named_chat_templates_and_disagreeing_special_ids_in_the_settings(tmp_pa
         load_for_generation(str(d))
     assert "generation_config.json's eos_token_id [5] differs from config.json's [0, 2]" in caplog.text
     assert "mask_token_id" not in caplog.text
+
+
+def test_convert_gives_a_tokenizer_without_a_mask_token_one_at_an_unused_row(tmp_path, capsys):
+    """A source tokenizer without `<|mask|>` (Qwen's) gets it at the mask token id (found by a hostile pass: the
+    conversion succeeded, then every command refused the checkpoint); an id that is one of its tokens is refused
+    (an ordinary token, or its end of turn, would be the mask), as is a tokenizer lacking the chat format's tokens."""
+    tok_json = json.loads((SHIPPED / "tokenizer.json").read_text())
+    tok_json["added_tokens"] = [t for t in tok_json["added_tokens"] if t["content"] != "<|mask|>"]
+    del tok_json["model"]["vocab"]["<|mask|>"]                 # row 9 is now no token's: a foreign tokenizer
+    _transformers_checkpoint(tmp_path, CloverConfig.preset("debug", vocab_size=8192, mask_token_id=9, eos_token_id=[0, 2]))
+    (tmp_path / "hf" / "tokenizer.json").write_text(json.dumps(tok_json))
+    cfg = json.loads((SHIPPED / "tokenizer_config.json").read_text())
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({**cfg, "added_tokens_decoder": {}}))
+    from clover.model.tokenizer import Tokenizer, TokenizerError
+
+    with pytest.raises(TokenizerError, match=r"lacks the special token\(s\) \['<\|mask\|>'\]"):
+        Tokenizer.load(tmp_path / "hf")
+    # the source's config (a transformers one) has no mask id: the last row, here a token of the tokenizer
+    assert cli_main(["convert", str(tmp_path / "hf"), str(tmp_path / "last")]) == 1
+    assert "the mask token id 8191 is its token" in capsys.readouterr().err
+    assert cli_main(["convert", str(tmp_path / "hf"), str(tmp_path / "ok"), "--mask-token-id", "9"]) == 0
+    loaded = load_for_generation(str(tmp_path / "ok"))
+    assert loaded.tokenizer.mask_token_id == 9 and loaded.tokenizer.encode("a<|mask|>")[-1] == 9
+    assert json.loads((tmp_path / "ok" / "tokenizer_config.json").read_text())["added_tokens_decoder"]["9"]["special"]
+    for bad, what in (("100", "its token"), ("3", "'<think>'")):
+        assert cli_main(["convert", str(tmp_path / "hf"), str(tmp_path / f"bad{bad}"), "--mask-token-id", bad]) == 1
+        err = capsys.readouterr().err
+        assert "has no <|mask|> token, and the mask token id" in err and what in err, err
+        assert not (tmp_path / f"bad{bad}").exists()
+    tok_json["added_tokens"] = [t for t in tok_json["added_tokens"] if t["content"] != "<think>"]
+    del tok_json["model"]["vocab"]["<think>"]
+    (tmp_path / "hf" / "tokenizer.json").write_text(json.dumps(tok_json))
+    assert cli_main(["convert", str(tmp_path / "hf"), str(tmp_path / "nothink"), "--mask-token-id", "9"]) == 1
+    assert "lacks ['<think>'] of Clover's chat format" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from clover.model.config import CloverConfig, ConfigError, GenerationConfig
 from clover.model.files import check_replaceable, read_json, write_directory
 from clover.model.modeling import CloverForCausalLM, RotaryEmbedding
-from clover.model.tokenizer import Tokenizer, TokenizerError
+from clover.model.tokenizer import MASK_TOKEN, SPECIAL_TOKENS, Tokenizer, TokenizerError
 
 logger = logging.getLogger(__name__)
 
@@ -471,8 +471,62 @@ def convert_transformers_checkpoint(
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (source / name).is_file():
             extra[name] = (source / name).read_bytes()
+    if "tokenizer.json" in extra and own is None:
+        extra.update(_with_mask_token(extra, config, source))
     save_checkpoint(model, target, extra_files=extra)
     return config
+
+
+def _with_mask_token(files: dict[str, bytes], config: CloverConfig, source: Path) -> dict[str, bytes]:
+    """A source tokenizer without Clover's mask token (a Qwen one) gets it, at the config's mask_token_id, in
+    tokenizer.json and tokenizer_config.json's added_tokens_decoder (found by a hostile pass: the conversion
+    succeeded and every command then refused the checkpoint: "tokenizer lacks the special token(s) ['<|mask|>']").
+    Refused where that id is one of the tokenizer's tokens (the mask would be ordinary text, or its end of turn),
+    or where the tokenizer lacks other tokens of Clover's chat format."""
+    try:
+        data = json.loads(files["tokenizer.json"])
+        added = data.setdefault("added_tokens", [])
+        vocab = data.get("model", {}).get("vocab") or {}
+        # (a BPE or WordPiece vocabulary maps tokens to ids; a Unigram one lists [token, score] pairs by id)
+        used = dict(enumerate(e[0] for e in vocab)) if isinstance(vocab, list) else {i: t for t, i in vocab.items()}
+        used.update({int(t["id"]): t["content"] for t in added})
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+        raise CheckpointError(f"{source}/tokenizer.json is not a tokenizer file transformers writes: {exc}") from None
+    contents = set(used.values())
+    missing = [t for t in SPECIAL_TOKENS if t != MASK_TOKEN and t not in contents]
+    if missing:
+        raise CheckpointError(f"{source}'s tokenizer lacks {missing} of Clover's chat format; convert a checkpoint "
+                              "whose tokenizer has them (Qwen3.5's has)")
+    mask = config.mask_token_id
+    if mask in used:
+        raise CheckpointError(f"{source}'s tokenizer has no {MASK_TOKEN} token, and the mask token id {mask} is its "
+                              f"token {used[mask]!r}: give --mask-token-id a row no token uses (the tokenizer has "
+                              f"{len(used)} tokens, the model {config.vocab_size} rows)")
+    if isinstance(vocab, list) and mask != len(vocab):   # (a list places a token at its index only)
+        raise CheckpointError(f"{source}'s tokenizer has no {MASK_TOKEN} token and lists its vocabulary (Unigram): "
+                              f"the mask token can only take the next row, {len(vocab)}; give --mask-token-id {len(vocab)}")
+    entry = {"content": MASK_TOKEN, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": True}
+    added.append({"id": mask, **entry})
+    # the model's vocabulary holds it too: tokenizers gives an added token that its model lacks the next free id,
+    # whatever id the file says
+    if isinstance(vocab, list):
+        vocab.append([MASK_TOKEN, 0.0])
+    else:
+        vocab[MASK_TOKEN] = mask
+    data["model"]["vocab"] = vocab
+    out = {"tokenizer.json": json.dumps(data, ensure_ascii=False).encode()}
+    if "tokenizer_config.json" in files:
+        try:
+            cfg = json.loads(files["tokenizer_config.json"])
+        except ValueError:
+            cfg = None
+        if isinstance(cfg, dict):
+            if isinstance(cfg.get("added_tokens_decoder"), dict):
+                cfg["added_tokens_decoder"][str(mask)] = entry
+            cfg.setdefault("mask_token", MASK_TOKEN)
+            out["tokenizer_config.json"] = (json.dumps(cfg, indent=2, ensure_ascii=False) + "\n").encode()
+    return out
 
 
 def export_causal(source: str | os.PathLike, target: str | os.PathLike, dtype: str | torch.dtype | None = None) -> int:
