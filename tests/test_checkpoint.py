@@ -116,6 +116,18 @@ def test_checkpoint_round_trip_single_and_sharded(tmp_path, debug_model):
     assert gen["algorithm"] == "low_confidence" and gen["block_size"] == debug_model.config.block_size
 
 
+def test_a_checkpoints_tokenizer_states_the_models_context(tmp_path, debug_model):
+    """tokenizer_config.json's model_max_length is the model's context (found by a hostile pass: 131072 whatever the
+    model, so transformers never warned past clover-tiny's 4096); the shipped one says 4096."""
+    from clover.model.tokenizer import Tokenizer
+
+    save_checkpoint(debug_model, tmp_path / "ck", extra_files=Tokenizer.load(SHIPPED).files())
+    saved = json.loads((tmp_path / "ck" / "tokenizer_config.json").read_text())
+    assert saved["model_max_length"] == debug_model.config.max_position_embeddings != 131072
+    shipped = json.loads((SHIPPED / "tokenizer_config.json").read_text())
+    assert shipped["model_max_length"] == load_checkpoint(SHIPPED).config.max_position_embeddings == 4096
+
+
 def test_load_with_dtype_choice(tmp_path, debug_model):
     save_checkpoint(debug_model, tmp_path / "ck", dtype="bfloat16")
     assert load_file(str(tmp_path / "ck" / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16

@@ -200,6 +200,8 @@ def save_checkpoint(
             generation or json.dumps(default_generation_config(model.config), indent=2) + "\n"
         )
         for name, content in (extra_files or {}).items():
+            if name == "tokenizer_config.json":
+                content = _with_context(content, model.config.max_position_embeddings)
             mode = "wb" if isinstance(content, bytes) else "w"
             with open(tmp / name, mode) as f:
                 f.write(content)
@@ -475,6 +477,18 @@ def convert_transformers_checkpoint(
         extra.update(_with_mask_token(extra, config, source))
     save_checkpoint(model, target, extra_files=extra)
     return config
+
+
+def _with_context(tokenizer_config: str | bytes, context: int) -> str | bytes:
+    """tokenizer_config.json with the model's context as `model_max_length` where it states one (transformers
+    warns past it; `Tokenizer.files` cannot know the model's), else as given."""
+    try:
+        data = json.loads(tokenizer_config)
+    except (ValueError, RecursionError):
+        return tokenizer_config
+    if not isinstance(data, dict) or "model_max_length" not in data or data["model_max_length"] == context:
+        return tokenizer_config
+    return json.dumps({**data, "model_max_length": context}, indent=2, ensure_ascii=False)
 
 
 def _with_mask_token(files: dict[str, bytes], config: CloverConfig, source: Path) -> dict[str, bytes]:
