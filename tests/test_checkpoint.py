@@ -92,6 +92,13 @@ def test_config_loads_a_transformers_text_and_multimodal_config():
     assert config.mask_token_id == 299 and config.layer_types == text.layer_types
     assert config.rotary_dim == 4 and config.rope_theta == text.rope_parameters["rope_theta"]
     assert CloverConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": text.to_dict()}) == config
+    # a multimodal config keeps its tying at the top level (found by a hostile pass: a tied source was then read
+    # untied, and its conversion failed on a missing lm_head.weight); the text config's own, where given, wins
+    untied = {k: v for k, v in text.to_dict().items() if k != "tie_word_embeddings"}
+    assert CloverConfig.from_dict({"model_type": "qwen3_5_moe", "tie_word_embeddings": True,
+                                   "text_config": untied}).tie_word_embeddings is True
+    assert CloverConfig.from_dict({"model_type": "qwen3_5_moe", "tie_word_embeddings": True,
+                                   "text_config": {**untied, "tie_word_embeddings": False}}).tie_word_embeddings is False
     with pytest.raises(ConfigError, match="neither Clover"):
         CloverConfig.from_dict({"model_type": "llama"})
 

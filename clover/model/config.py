@@ -252,7 +252,11 @@ class CloverConfig:
         if "text_config" in data:  # a Qwen3_5MoeConfig: the language model lives in text_config
             if not isinstance(data["text_config"], dict):
                 raise ConfigError(f"text_config must be an object, got {type(data['text_config']).__name__}")
+            top = data
             data = dict(data["text_config"])
+            # transformers keeps a multimodal model's tying at the top (its language model's head ties too)
+            if "tie_word_embeddings" in top and "tie_word_embeddings" not in data:
+                data["tie_word_embeddings"] = top["tie_word_embeddings"]
         model_type = data.pop("model_type", MODEL_TYPE)
         if model_type not in (MODEL_TYPE, "qwen3_5_moe_text", "qwen3_5_moe"):
             raise ConfigError(f"model_type {model_type!r} is neither Clover ({MODEL_TYPE!r}) nor Qwen3.5-MoE")
