@@ -76,6 +76,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.chat and not args.model:
         ap.error("--chat needs --model (a checkpoint with its tokenizer)")
+    if args.no_cache_points and not args.chat:
+        ap.error("--no-cache-points goes with --chat (only chat prompts have cache points)")
     intervals = [int(x) for x in args.state_every.split(",")]
     if args.model:
         model, source = load_checkpoint(args.model, dtype="float32"), args.model

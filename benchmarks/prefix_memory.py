@@ -40,7 +40,7 @@ def one(preset: str, tokens: int, every: int) -> dict:
     torch.manual_seed(0)
     model = CloverForCausalLM(CloverConfig.preset(preset)).eval()
     engine = Engine(model, prefix_cache_bytes=(4 << 30) if every else 0, **({"prefix_state_every": every} if every else {}))
-    high = min(model.config.vocab_size, model.config.mask_token_id) - 2
+    high = min(model.config.vocab_size, model.config.mask_token_id) - 2   # (a preset's mask id is its last row)
     prompt = torch.randint(0, high, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_new_tokens=1, ignore_eos=True, algorithm="ar")
     Engine(model).generate([prompt[:64]], params)   # warm-up (a separate engine: this one's cache stays empty)

@@ -555,10 +555,27 @@ def test_transformers_samples_and_decodes_greedily_with_a_checkpoints_generation
     assert sampled.shape == greedy.shape == (1, 8) and hf.generation_config.do_sample is False
     assert GenerationConfig.from_dict({"do_sample": False, "temperature": 0.7}).temperature == 0.0
     assert GenerationConfig.from_dict({"do_sample": True}).temperature == 1.0
+    sampling = GenerationConfig(temperature=0.7).to_file()   # (top_k 0 stays: transformers would sample at 50)
+    assert sampling["do_sample"] is True and sampling["temperature"] == 0.7 and sampling["top_k"] == 0
     assert GenerationConfig.from_dict({"do_sample": True, "temperature": 0.3}).temperature == 0.3
     assert GenerationConfig.from_dict({"temperature": 0.3}).temperature == 0.3   # (a file from before: as written)
     with pytest.raises(ConfigError, match="do_sample must be true or false"):
         GenerationConfig.from_dict({"do_sample": "no"})
+
+
+def test_a_generation_config_from_before_do_sample_is_respelled_when_saved_again(tmp_path, debug_model):
+    """A kept generation_config.json written before `do_sample` (temperature 0.0 and top_k 0, which transformers'
+    sampling refused) is spelled anew on the next save: the same defaults, its own choices and other keys kept."""
+    save_checkpoint(debug_model, tmp_path / "ck")
+    gen = tmp_path / "ck" / "generation_config.json"
+    old = {"algorithm": "verify", "block_size": 8, "threshold": 0.8, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+           "eos_token_id": debug_model.config.eos_token_ids, "mine": 1}
+    gen.write_text(json.dumps(old))
+    save_checkpoint(debug_model, tmp_path / "ck")
+    new = json.loads(gen.read_text())
+    assert new["do_sample"] is False and "temperature" not in new and "top_k" not in new and new["mine"] == 1
+    assert GenerationConfig.from_dict(new) == GenerationConfig.from_dict(old)
+    assert GenerationConfig.from_dict(new).algorithm == "verify" and new["threshold"] == 0.8
 
 
 def test_a_checkpoint_saved_by_transformers_loads_whole_in_clover(tmp_path):
@@ -576,6 +593,9 @@ def test_a_checkpoint_saved_by_transformers_loads_whole_in_clover(tmp_path):
     for key, value in ours.items():
         assert torch.equal(theirs[key], value), key
     assert (shipped.model.layers[0].linear_attn.history_bias != 0).any()   # (trained, not the neutral values)
+    extension = [n for n, _ in hf.named_buffers() if n.rsplit(".", 1)[-1] in ("conv_right", "preview_log_scale",
+                                                                            "history_bias")]
+    assert len(extension) == 9 and not any(n in extension for n, _ in hf.named_parameters())   # (no fine-tune moves them)
 
 
 def test_transformers_loads_a_converted_checkpoint_and_an_exported_causal_one(tmp_path, debug_config):

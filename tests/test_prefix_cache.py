@@ -537,8 +537,32 @@ def test_reply_start_is_the_last_turns_im_start():
 
     tok = Tokenizer.train(["some text to train on"] * 10, vocab_size=280)
     ids = tok.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
-    start = tok.special_ids["<|im_start|>"]
-    assert tok.reply_start(ids) == (max(i for i, t in enumerate(ids) if t == start),)
+    assert len(tok.reply_start(ids)) == 1
     head = tok.encode("<|im_start|>assistant\n")   # (then the generation prompt's think markup, if any)
     assert ids[tok.reply_start(ids)[0]:][: len(head)] == head
     assert tok.reply_start(tok.encode("no chat here")) == ()
+
+
+def test_a_budget_below_one_block_with_its_states_holds_and_says_so(model, caplog):
+    """Found by a review: blocks kept as K/V only (their states do not fit the whole budget) grew the cache past its
+    budget without an eviction. The budget holds; nothing can be restored, and the log says so once."""
+    probe = Engine(model, prefix_cache_bytes=1 << 30, prefix_state_every=1)
+    probe.generate([_tokens(8, 0)], _params("ar", 1))
+    one = probe.prefix.nbytes                               # one block with its states
+    engine = Engine(model, prefix_cache_bytes=one - 1)
+    with caplog.at_level("WARNING", logger="clover.engine.prefix_cache"):
+        for seed in range(5):
+            prompt = _tokens(64, 30 + seed)
+            got = engine.generate([prompt], _params("low_confidence"))[0]
+            assert got.token_ids == Engine(model).generate([prompt], _params("low_confidence"))[0].token_ids
+            assert engine.prefix.nbytes <= one - 1 and engine.prefix.stats.snapshots == 0
+    assert engine.prefix.stats.evictions > 0
+    assert caplog.text.count("below one block with its GDN states") == 1
+
+
+def test_cache_points_past_the_prompt_and_a_bad_state_interval_without_a_cache_are_refused(model):
+    with pytest.raises(ValueError, match="cache_points must be positions in the prompt"):
+        Engine(model).generate([_tokens(20, 31)], _params("ar").with_(cache_points=(21,)))
+    assert Engine(model).generate([_tokens(20, 31)], _params("ar", 2).with_(cache_points=(20,)))[0].token_ids
+    with pytest.raises(ValueError, match="state interval"):
+        Engine(model, prefix_state_every=0)

@@ -292,8 +292,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         _utf8(args.system, "--system")   # (else every turn would fail, and no /reset could help)
     loaded = _load(args)
-    def new_engine() -> Engine:   # (each turn resends the conversation: the prefix cache restores what it has seen)
-        return Engine(loaded.model, loaded.tokenizer, prefix_cache_bytes=args.prefix_cache_bytes)
+    def new_engine(old: Engine | None = None) -> Engine:
+        """(each turn resends the conversation: the prefix cache restores what it has seen; an engine made anew
+        after an interrupted turn keeps the old one's cache)"""
+        made = Engine(loaded.model, loaded.tokenizer, prefix_cache_bytes=args.prefix_cache_bytes)
+        if old is not None and old.prefix is not None:
+            made.prefix = old.prefix
+        return made
 
     tok, engine = loaded.tokenizer, new_engine()
     params = sampling_params(args, loaded.generation)
@@ -362,7 +367,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"error: {exc}." + (" Use /reset to start over." if messages else ""), file=sys.stderr)
             continue
         except KeyboardInterrupt:
-            engine = new_engine()  # drop the interrupted request
+            engine = new_engine(engine)  # drop the interrupted request
             messages.pop()
             print(f"\n{dim}(interrupted){reset}")
             continue

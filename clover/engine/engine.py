@@ -60,6 +60,7 @@ class Engine:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         if prefix_cache_bytes < 0:
             raise ValueError(f"the prefix cache budget must be >= 0 bytes (0: off), got {prefix_cache_bytes}")
+        PrefixStore(model.config.block_size, 0, prefix_state_every)   # (its settings checked, the cache on or off)
         if max_prefill_tokens is not None and max_prefill_tokens < model.config.block_size:
             raise ValueError(f"max_prefill_tokens must be at least the block size {model.config.block_size}, "
                              f"got {max_prefill_tokens}")
@@ -96,6 +97,9 @@ class Engine:
         if params.algorithm not in self.policies:
             raise ValueError(f"algorithm must be one of {sorted(self.policies)}, got {params.algorithm!r}")
         prompt = self.check_prompt(prompt_ids)
+        if any(p > len(prompt) for p in params.cache_points):
+            raise InvalidParameter("cache_points", f"cache_points must be positions in the prompt (0 to {len(prompt)}), "
+                                                   f"got {max(params.cache_points)}")
         limit = self.config.max_position_embeddings
         if len(prompt) + params.max_new_tokens > limit:
             raise ValueError(
@@ -393,25 +397,26 @@ class Engine:
                 continue
             tokens = (s.prompt + s.generated)[:new]
             s.chain = block_keys(tokens, size, s.chain, s.params.cache_salt)
-            wanted = set(self._snapshot_blocks(s, old, new))
+            last = new // size - 1
             for b in range(old // size, new // size):
                 end, keep = (b + 1) * size, self._keeps_state(s, b)
+                wanted = keep or b == last   # (`_snapshot_blocks`' choice, for a block ending inside the forward)
                 states = ring = None
                 if not gdn:   # (attention only: K/V are the whole state)
                     states, ring = [None] * n_layers, [None] * n_layers
                 elif end == new:
                     states = [cache.states[i][s.row] if i in gdn else None for i in range(n_layers)]
                     ring = [cache.rings[i][s.row] if i in gdn else None for i in range(n_layers)]
-                elif b in wanted and inside is not None and (idx, b) in inside:
+                elif wanted and inside is not None and (idx, b) in inside:
                     states, ring = inside[idx, b]
-                elif (b in wanted and trace is not None and b + 1 - old // size in trace.chunks
+                elif (wanted and trace is not None and b + 1 - old // size in trace.chunks
                       and all(i in trace.states for i in gdn)):
                     j = trace.chunks.index(b + 1 - old // size)   # (chunk c starts at the c-th boundary from old's)
                     states = [trace.states[i][idx, :, j] if i in gdn else None for i in range(n_layers)]
                     ring = [trace.rings[i][idx, j] if i in gdn else None for i in range(n_layers)]
                 claim = self.prefix.insert(s.chain[b], s.chain[b - 1] if b else None, cache, s.row, b, states, ring,
                                            frontier=bool(gdn) and not keep)
-                if states is not None and gdn and b == new // size - 1:   # the request's new deepest block
+                if states is not None and gdn and b == last:   # the request's new deepest block
                     if s.frontier is not None:
                         self.prefix.drop_frontier(*s.frontier)
                     s.frontier = None if claim is None else (s.chain[b], claim)

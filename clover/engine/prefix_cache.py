@@ -22,16 +22,17 @@ cached block a lookup found beyond the states it could restore (a branch point, 
 shared system prompt: the next request that shares it restores it whole), after the last block before
 each of the request's `cache_points` (the server and `clover chat` give a chat prompt's last
 <|im_start|>: the next turn renders the reply after it otherwise, without its reasoning or an empty
-think block, so the two prompts part there), and after the deepest block each request has reached (its frontier: requests claim it, and the states go when the last claimant
-has gone past it; a request that finishes keeps its claim, so its end stays). This is the
-choice vLLM and SGLang make for Mamba-style layers (states at coarse blocks or at the ends of inserted
-sequences, K/V for every token); a lookup reuses at most `state_every` blocks less than dense states would.
+think block, so the two prompts part there), and after the deepest block each request has reached
+(its frontier: requests claim it, and the states go when the last claimant has gone past it; a request
+that finishes keeps its claim, so its end stays). This is the choice vLLM and SGLang make for
+Mamba-style layers (states at coarse blocks or at the ends of inserted sequences, K/V for every token);
+a lookup reuses at most `state_every` blocks less than dense states would.
 
 Bounded by a byte budget; eviction takes the least recently used block among those that no cached
 block continues (a leaf of the tree of prefixes, as a radix cache does), so a shared beginning such
 as a system prompt outlives the conversations that grew from it; a block whose parent is gone is not
-kept (no lookup could reach it). An eviction makes a later lookup reuse less, never something wrong. Restored states are the very tensors an earlier
-forward computed; a continuation is as exact as the forward that made the snapshot (an AR-made
+kept (no lookup could reach it). An eviction makes a later lookup reuse less, never something wrong.
+Restored states are the very tensors an earlier forward computed; a continuation is as exact as the forward that made the snapshot (an AR-made
 snapshot went through the recurrent form, a prefill through the chunked one: equal to about 1e-6).
 
 Dimension letters: G kv heads, S block size, D head dim, H GDN value heads, K / V GDN key / value
@@ -41,6 +42,7 @@ dims, W conv width, Q conv channels.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,8 @@ import numpy as np
 import torch
 
 from clover.model.cache import PrefixCache
+
+log = logging.getLogger(__name__)
 
 
 def block_keys(tokens: Sequence[int], block_size: int, start: list[bytes] | None = None,
@@ -75,6 +79,11 @@ class Entry:
     children: int = 0                    # cached blocks that continue this one
     pinned: bool = False                 # its states are kept for good (else only while requests claim them
     owners: int = 0                      # as their frontier: how many do)
+
+    @property
+    def snapshot(self) -> bool:
+        """Whether it holds GDN states (a model with none restores from any block: K/V are its whole state)."""
+        return self.states is not None and any(t is not None for t in self.states)
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in (self.states or [], self.rings or []) for t in ts
@@ -105,6 +114,7 @@ class PrefixStore:
     entries: OrderedDict[bytes, Entry] = field(default_factory=OrderedDict)
     nbytes: int = 0
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    _warned: bool = False                # (a budget below one block with its states, said once)
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
@@ -172,13 +182,6 @@ class PrefixStore:
                     return None
                 entry.owners += 0 if entry.pinned else 1
                 return None if entry.pinned else entry
-            entry.states, entry.rings = _copies(states), _copies(rings)
-            added = entry.state_bytes()
-            if entry.nbytes + added > self.max_bytes:   # (the block alone with its states over the budget: K/V only)
-                entry.states = entry.rings = None
-                return None
-            entry.nbytes += added
-            self.nbytes += added
         else:
             if parent is not None and parent not in self.entries:
                 return None  # unreachable: lookups walk the chain from block 0
@@ -189,24 +192,35 @@ class PrefixStore:
             entry.nbytes = sum(t.numel() * t.element_size() for ts in (keys, values) for t in ts if t is not None)
             if entry.nbytes > self.max_bytes:
                 return None
-            if states is not None and rings is not None:
-                entry.states, entry.rings = _copies(states), _copies(rings)
-                if entry.nbytes + entry.state_bytes() > self.max_bytes:
-                    entry.states = entry.rings = None
-                else:
-                    entry.nbytes += entry.state_bytes()
             self.entries[key] = entry
             if parent is not None:
                 self.entries[parent].children += 1
                 self.entries.move_to_end(parent)
             self.nbytes += entry.nbytes
             self.stats.inserted += 1
-        if entry.states is None:
-            return None
-        self.stats.snapshots += 1
+        if states is not None and rings is not None:
+            self._attach(entry, states, rings, frontier)
+        self._fit()   # (K/V alone grow the cache too)
+        return entry if frontier and entry.states is not None and self.entries.get(key) is entry else None
+
+    def _attach(self, entry: Entry, states: list[torch.Tensor | None], rings: list[torch.Tensor | None],
+                frontier: bool) -> None:
+        """Give a block without states these (copies), unless the block with them would exceed the whole budget
+        (then it stays K/V only: nothing can be restored from it, said once)."""
+        entry.states, entry.rings = _copies(states), _copies(rings)
+        added = entry.state_bytes()
+        if entry.nbytes + added > self.max_bytes:
+            entry.states = entry.rings = None
+            if not self._warned:
+                self._warned = True
+                log.warning("the prefix cache's budget (%d bytes) is below one block with its GDN states (%d bytes): "
+                            "no prefix can be restored; raise it (clover serve --prefix-cache-bytes)",
+                            self.max_bytes, entry.nbytes + added)
+            return
+        entry.nbytes += added
+        self.nbytes += added
         entry.pinned, entry.owners = not frontier, int(frontier)
-        self._fit()
-        return entry if frontier and self.entries.get(key) is entry else None
+        self.stats.snapshots += entry.snapshot
 
     def drop_frontier(self, key: bytes, entry: Entry) -> None:
         """Give back a request's claim on the states of block `key` (`insert`'s `entry`): it has gone past them.
@@ -216,11 +230,11 @@ class PrefixStore:
         entry.owners -= 1
         if entry.owners > 0:
             return
-        freed = entry.state_bytes()
+        freed, held = entry.state_bytes(), entry.snapshot
         entry.states = entry.rings = None
         entry.nbytes -= freed
         self.nbytes -= freed
-        self.stats.snapshots -= 1
+        self.stats.snapshots -= held
 
     def clear(self) -> tuple[int, int]:
         """Drop every cached block (the statistics' counters go on): (blocks, bytes) dropped. Requests running keep
@@ -242,7 +256,7 @@ class PrefixStore:
             self.entries[old.parent].children -= 1
         self.nbytes -= old.nbytes
         self.stats.evictions += 1
-        self.stats.snapshots -= old.states is not None
+        self.stats.snapshots -= old.snapshot
 
 
 def _copies(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

@@ -8,6 +8,7 @@ interrupted save never leaves a half-written checkpoint under the target name.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -149,8 +150,9 @@ def _kept_generation_config(directory: Path, config: CloverConfig) -> str | None
     """The `generation_config.json` in `directory`, to keep over a new save of a model with `config` (None where
     there is none). It is someone's choice of decoding defaults, except where it states the model: its block
     size and special tokens follow the new model where they were the old model's (a checkpoint converted
-    again with another --block-size decodes at the new one). A file that is not a JSON object, or one beside
-    no readable config.json, is kept as it is."""
+    again with another --block-size decodes at the new one), and a file from before `do_sample` is spelled as
+    transformers reads it too (`GenerationConfig.to_file`: the same defaults). A file that is not a JSON object,
+    or one beside no readable config.json, is kept as it is."""
     path = directory / "generation_config.json"
     if not path.is_file():
         return None
@@ -170,9 +172,18 @@ def _kept_generation_config(directory: Path, config: CloverConfig) -> str | None
     now = default_generation_config(config)
     stale = [key for key in ("block_size", "eos_token_id", "mask_token_id")
              if key in kept and key in before and kept[key] == before[key] != now[key]]
-    if not stale:
+    respelled = None
+    if "do_sample" not in kept:
+        try:
+            defaults = GenerationConfig.from_dict(kept)
+        except ConfigError:
+            pass   # (said when the checkpoint is loaded)
+        else:
+            names = {f.name for f in dataclasses.fields(GenerationConfig)}
+            respelled = {**{k: v for k, v in kept.items() if k not in names}, **defaults.to_file()}
+    if not stale and respelled is None:
         return text
-    return json.dumps({**kept, **{key: now[key] for key in stale}}, indent=2) + "\n"
+    return json.dumps({**(respelled or kept), **{key: now[key] for key in stale}}, indent=2) + "\n"
 
 
 def save_checkpoint(
@@ -539,7 +550,7 @@ def _with_mask_token(files: dict[str, bytes], config: CloverConfig, source: Path
             if isinstance(cfg.get("added_tokens_decoder"), dict):
                 cfg["added_tokens_decoder"][str(mask)] = entry
             cfg.setdefault("mask_token", MASK_TOKEN)
-            out["tokenizer_config.json"] = (json.dumps(cfg, indent=2, ensure_ascii=False) + "\n").encode()
+            out["tokenizer_config.json"] = json.dumps(cfg, indent=2, ensure_ascii=False).encode()   # (as `files`)
     return out
 
 

@@ -434,13 +434,15 @@ class GenerationConfig:
 
     def to_file(self) -> dict[str, Any]:
         """The fields generation_config.json holds, spelled as transformers reads them too: `do_sample` for whether
-        the default samples, and no temperature 0 or top_k 0 (its generate() refused a temperature of 0 once a
-        user asked it to sample; a top_k it ignores when greedy drew a warning at every load): left out, they
-        are Clover's defaults again when read (`from_dict`)."""
+        the default samples; greedy, no temperature 0 or top_k 0 (its generate() refused a temperature of 0 once a
+        user asked it to sample; a top_k it ignores when greedy drew a warning at every load): left out, they are
+        Clover's defaults again when read (`from_dict`). Sampling keeps top_k 0 (off: transformers' own default
+        would be 50)."""
         out = {"do_sample": self.temperature > 0, **self.to_dict()}
-        for name, off in (("temperature", 0.0), ("top_k", 0)):
-            if out[name] == off:
-                del out[name]
+        if not out["do_sample"]:
+            del out["temperature"]
+            if out["top_k"] == 0:
+                del out["top_k"]
         return out
 
     @staticmethod

@@ -1,8 +1,9 @@
 """Clover's model for transformers (`trust_remote_code`): the causal mode, which is exactly transformers'
 `Qwen3_5MoeForCausalLM` on the backbone weights. The block-diffusion extension tensors of each Gated DeltaNet
 layer (`conv_right`, `preview_log_scale`, `history_bias`) serve only Clover's preview mode: they are held as
-parameters that the forward does not use, so that `save_pretrained` (after a fine-tune, say) writes them back
-and Clover loads the result whole. Copied into Clover checkpoints; imports torch and transformers only."""
+buffers that the forward does not use (not parameters: a fine-tune leaves them as they are, and data-parallel
+training finds no parameter without a gradient), saved with the weights, so that `save_pretrained` writes them
+back and Clover loads the result whole. Copied into Clover checkpoints; imports torch and transformers only."""
 
 import math
 
@@ -24,13 +25,14 @@ class CloverForCausalLM(Qwen3_5MoeForCausalLM):
                 continue
             channels, _, width = gdn.conv1d.weight.shape
             heads = config.linear_num_value_heads
-            gdn.conv_right = nn.Parameter(torch.zeros(channels, width - 1))
-            gdn.preview_log_scale = nn.Parameter(torch.full((heads,), math.log(math.sqrt(config.linear_key_head_dim))))
-            gdn.history_bias = nn.Parameter(torch.zeros(heads))
+            scale = math.log(math.sqrt(config.linear_key_head_dim))
+            gdn.register_buffer("conv_right", torch.zeros(channels, width - 1))
+            gdn.register_buffer("preview_log_scale", torch.full((heads,), scale))
+            gdn.register_buffer("history_bias", torch.zeros(heads))
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(getattr(module, "conv_right", None), nn.Parameter):   # (Clover's neutral values: no effect)
+        if isinstance(getattr(module, "conv_right", None), torch.Tensor):   # (Clover's neutral values: no effect)
             with torch.no_grad():
                 module.conv_right.zero_()
                 module.preview_log_scale.fill_(math.log(math.sqrt(self.config.linear_key_head_dim)))
