@@ -523,6 +523,15 @@ def _hf_logits(directory, ids, **kw):
         return hf(ids).logits
 
 
+def test_the_shipped_checkpoint_carries_the_remote_code_of_this_source():
+    """Every checkpoint carries copies of clover/model/remote_code (transformers loads them from the checkpoint's
+    own directory); the shipped one's are today's, not an older copy."""
+    from clover.model.checkpoint import REMOTE_CODE
+
+    for src in REMOTE_CODE:
+        assert (SHIPPED / src.name).read_text() == src.read_text(), src.name
+
+
 def test_transformers_loads_the_shipped_checkpoint_with_its_remote_code():
     """config.json's architectures and auto_map name the two remote-code files shipped with the weights;
     transformers' causal logits equal Clover's causal mode on the same (bf16-stored) weights."""

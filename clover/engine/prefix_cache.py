@@ -32,8 +32,9 @@ Bounded by a byte budget; eviction takes the least recently used block among tho
 block continues (a leaf of the tree of prefixes, as a radix cache does), so a shared beginning such
 as a system prompt outlives the conversations that grew from it; a block whose parent is gone is not
 kept (no lookup could reach it). An eviction makes a later lookup reuse less, never something wrong.
-Restored states are the very tensors an earlier forward computed; a continuation is as exact as the forward that made the snapshot (an AR-made
-snapshot went through the recurrent form, a prefill through the chunked one: equal to about 1e-6).
+Restored states are the very tensors an earlier forward computed; a continuation is as exact as the
+forward that made the snapshot (an AR-made snapshot went through the recurrent form, a prefill through
+the chunked one: equal to about 1e-6).
 
 Dimension letters: G kv heads, S block size, D head dim, H GDN value heads, K / V GDN key / value
 dims, W conv width, Q conv channels.
@@ -180,8 +181,10 @@ class PrefixStore:
                 if not frontier:
                     entry.pinned = True   # (kept for good once some request wants it so)
                     return None
-                entry.owners += 0 if entry.pinned else 1
-                return None if entry.pinned else entry
+                if entry.pinned:
+                    return None
+                entry.owners += 1
+                return entry
         else:
             if parent is not None and parent not in self.entries:
                 return None  # unreachable: lookups walk the chain from block 0

@@ -65,8 +65,8 @@ def delta_rule_chunked(
     Same inputs and outputs as `delta_rule_recurrent`, plus, when asked, the state before every
     chunk: chunk_states [N,H,nC,K,V] (chunk_states[:, :, 0] is the initial state), or with `keep_chunks`
     (ascending, each < nC) only those chunks' [N,H,len(keep_chunks),K,V] (the others are never held: a
-    prefix cache asks for a few of a long prefill's), and with `return_written` the written rows w [N,T,H,V] last, as
-    `delta_rule_recurrent` gives them.
+    prefix cache asks for a few of a long prefill's), and with `return_written` the written rows w [N,T,H,V]
+    last, as `delta_rule_recurrent` gives them.
 
     Within a chunk starting from state S0, with cumulative log decay G_t = g_1 + ... + g_t, the
     written rows w_s solve (I + A) W = beta * (V - exp(G) K S0), A_sr = beta_s exp(G_s - G_r) k_s.k_r
@@ -193,10 +193,7 @@ def right_conv(u: torch.Tensor, lengths: torch.Tensor, right: torch.Tensor) -> t
 
 def next_ring(ring: torch.Tensor, u: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """The last W-1 rows of [ring; u[:lengths]] per sequence: the conv state after a commit."""
-    width = ring.shape[1]
-    rows = torch.cat([ring.to(u.dtype), u], dim=1)                              # [N,W-1+T,Q]
-    idx = lengths[:, None] + torch.arange(width, device=u.device)[None, :]      # [N,W-1]
-    return rows.gather(1, idx[..., None].expand(-1, -1, rows.shape[-1]))
+    return rings_at(ring, u, lengths[:, None])[:, 0]
 
 
 def rings_at(ring: torch.Tensor, u: torch.Tensor, before: torch.Tensor) -> torch.Tensor:

@@ -172,6 +172,12 @@ class GDNTrace:
     steps: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     u: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def causal_args(self, past: torch.Tensor, block_size: int) -> dict:
+        """`GatedDeltaNet.causal`'s arguments for the snapshots asked (none: {}), rows `past` tokens in."""
+        if not self.chunks:
+            return {}
+        return {"return_chunk_states": True, "align": past % block_size, "keep_chunks": self.chunks}
+
     def record(self, layer: int, res: GDNCausalOut) -> None:
         if res.steps is not None:
             self.steps[layer], self.u[layer] = res.steps, res.u
@@ -802,6 +808,7 @@ class CloverForCausalLM(nn.Module):
             causal = (steps[None, :] <= steps[:, None])[None, None].expand(n, 1, t, t)
             mask = torch.cat([self._prefix_mask(past, p, t), causal], dim=-1)  # [N,1,T,P+T]
         zero_ring = None
+        snap = {} if gdn_trace is None or kv_only else gdn_trace.causal_args(past, self.config.block_size)
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             nonlocal zero_ring
@@ -817,10 +824,7 @@ class CloverForCausalLM(nn.Module):
                 zero_ring = zero_ring if zero_ring is not None else x.new_zeros(n, self.config.linear_conv_kernel_dim - 1,
                                                                              self.config.linear_conv_dim)
                 state, ring = None, zero_ring
-            snap = gdn_trace is not None and not kv_only and bool(gdn_trace.chunks)
-            res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size, return_chunk_states=snap,
-                                           keep_steps=kv_only, align=past % self.config.block_size if snap else None,
-                                           keep_chunks=gdn_trace.chunks if snap else None)
+            res = layer.linear_attn.causal(x, state, ring, lengths, self.config.block_size, keep_steps=kv_only, **snap)
             if gdn_trace is not None:
                 gdn_trace.record(i, res)
             if write and not kv_only:
@@ -1158,6 +1162,7 @@ class CloverForCausalLM(nn.Module):
         block_rows = torch.cat([self._prefix_mask(past, p, s), sees_clean[:, None, None, :].expand(n, 1, s, tc),
                                 inside], dim=-1)
         mask = torch.cat([clean_rows, block_rows], dim=2)                       # [N,1,Tc+S,P+Tc+S]
+        snap = {} if gdn_trace is None else gdn_trace.causal_args(past, self.config.block_size)
 
         def mixer(i: int, layer: DecoderLayer, x: torch.Tensor, rope: Rope) -> torch.Tensor:
             if layer.is_attention:
@@ -1167,10 +1172,7 @@ class CloverForCausalLM(nn.Module):
                 return out
             gdn = layer.linear_attn
             state, ring = rows.gdn(i)
-            snap = gdn_trace is not None and bool(gdn_trace.chunks)
-            clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size, return_chunk_states=snap,
-                               align=past % self.config.block_size if snap else None,
-                               keep_chunks=gdn_trace.chunks if snap else None)
+            clean = gdn.causal(x[:, :tc], state, ring, clean_lengths, self.config.block_size, **snap)
             if gdn_trace is not None:
                 gdn_trace.record(i, clean)
             rows.set_gdn(i, clean.state, clean.ring)

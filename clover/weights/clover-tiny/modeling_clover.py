@@ -25,15 +25,19 @@ class CloverForCausalLM(Qwen3_5MoeForCausalLM):
                 continue
             channels, _, width = gdn.conv1d.weight.shape
             heads = config.linear_num_value_heads
-            scale = math.log(math.sqrt(config.linear_key_head_dim))
-            gdn.register_buffer("conv_right", torch.zeros(channels, width - 1))
-            gdn.register_buffer("preview_log_scale", torch.full((heads,), scale))
-            gdn.register_buffer("history_bias", torch.zeros(heads))
+            gdn.register_buffer("conv_right", torch.empty(channels, width - 1))
+            gdn.register_buffer("preview_log_scale", torch.empty(heads))
+            gdn.register_buffer("history_bias", torch.empty(heads))
+            self._neutral(gdn)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(getattr(module, "conv_right", None), torch.Tensor):   # (Clover's neutral values: no effect)
-            with torch.no_grad():
-                module.conv_right.zero_()
-                module.preview_log_scale.fill_(math.log(math.sqrt(self.config.linear_key_head_dim)))
-                module.history_bias.zero_()
+        if isinstance(getattr(module, "conv_right", None), torch.Tensor):
+            self._neutral(module)
+
+    @torch.no_grad()
+    def _neutral(self, gdn: nn.Module) -> None:
+        """Clover's neutral values of the extension (where a checkpoint holds none: no effect on preview mode)."""
+        gdn.conv_right.zero_()
+        gdn.preview_log_scale.fill_(math.log(math.sqrt(self.config.linear_key_head_dim)))
+        gdn.history_bias.zero_()
