@@ -432,6 +432,61 @@ def test_a_request_drops_its_old_frontier_but_not_states_another_keeps(model):
     assert store.nbytes == sum(e.nbytes for e in store.entries.values())
 
 
+def test_eviction_takes_a_chains_earlier_states_before_its_deeper_blocks_and_claims_outlive_it(model):
+    """Over the budget, the least recently used of a leaf block (whole) and the GDN states of a block that others
+    continue (K/V kept) goes: a chain's earlier states first, so its deepest restore point stays; a frontier claim
+    made before its states were evicted, given back after another request brought them again, drops nothing."""
+    engine = Engine(model, prefix_cache_bytes=64 << 20)
+    store, cache = engine.prefix, model.new_cache(1)
+    model.causal(torch.tensor([_tokens(32, 17)]), cache, logits="none")
+    keys = block_keys(_tokens(32, 17), 8)
+    state = ([s[0] if s is not None else None for s in cache.states], [r[0] if r is not None else None
+                                                                       for r in cache.rings])
+    claim = store.insert(keys[0], None, cache, 0, 0, *state, frontier=True)     # a request's frontier
+    for b in (1, 2, 3):
+        store.insert(keys[b], keys[b - 1], cache, 0, b, *state)                 # states wanted for good
+    full, one = store.nbytes, store.entries[keys[0]].state_bytes()
+    assert store.match(keys, 4) == (4, 4)
+    for dropped in (1, 2, 3):                     # room for one state less each time: blocks 0, 1, 2 lose theirs
+        store.max_bytes = full - dropped * one
+        store._fit()
+        assert [store.entries[k].states is None for k in keys] == [b < dropped for b in range(4)]
+        assert store.match(keys, 4) == (4, 4) and store.stats.evictions == 0
+    assert store.stats.state_evictions == 3 and store.stats.snapshots == 1
+    store.max_bytes = full - 3 * one - 1          # no earlier states left: the leaf goes whole
+    store._fit()
+    assert keys[3] not in store and store.match(keys, 4) == (0, 3) and store.stats.evictions == 1
+    store.max_bytes = 64 << 20
+    other = store.insert(keys[0], None, cache, 0, 0, *state, frontier=True)     # another request's frontier
+    store.drop_frontier(keys[0], claim)           # the claim from before the eviction
+    assert store.entries[keys[0]].states is not None and store.match(keys, 4) == (1, 3)
+    store.drop_frontier(keys[0], other)
+    assert store.entries[keys[0]].states is None and store.stats.snapshots == 0
+    assert store.nbytes == sum(e.nbytes for e in store.entries.values())
+
+
+def test_a_conversation_over_the_budget_restores_its_previous_turn(model):
+    """A conversation that outgrows the budget keeps reusing all of its previous turn (its earlier states are the
+    ones evicted), and the output is unchanged (found by a review: the leaf-only eviction took the newest blocks,
+    so the cache stopped growing and each later turn reused less)."""
+    probe = Engine(model, prefix_cache_bytes=64 << 20, prefix_state_every=1)
+    probe.generate([_tokens(8, 0)], _params("ar", 1))
+    entry = next(iter(probe.prefix.entries.values()))
+    kv, states = entry.nbytes - entry.state_bytes(), entry.state_bytes()
+    budget = 12 * kv + 3 * states                 # the 80-token history's K/V and a few states, not a state a block
+    engine, cold = Engine(model, prefix_cache_bytes=budget, prefix_state_every=1), Engine(model)
+    history: list[int] = []
+    for turn in range(5):
+        prompt = history + _tokens(9, 40 + turn)
+        got = engine.generate([prompt], _params("ar", 7))[0]
+        assert got.token_ids == cold.generate([prompt], _params("ar", 7))[0].token_ids
+        if turn:   # the previous prompt and reply in whole blocks, less the reply's last token (never fed)
+            assert got.stats.cached_tokens == (len(history) - 1) // 8 * 8, turn
+        assert engine.prefix.nbytes <= budget
+        history = prompt + got.token_ids
+    assert engine.prefix.stats.state_evictions > 0
+
+
 @pytest.mark.parametrize("block_size", [12, 20])
 @pytest.mark.parametrize("algorithm", ["low_confidence", "verify"])
 def test_the_same_prompt_again_restores_what_its_policy_may_at_any_request_block_size(model, algorithm, block_size):

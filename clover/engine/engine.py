@@ -414,11 +414,13 @@ class Engine:
                     j = trace.chunks.index(b + 1 - old // size)   # (chunk c starts at the c-th boundary from old's)
                     states = [trace.states[i][idx, :, j] if i in gdn else None for i in range(n_layers)]
                     ring = [trace.rings[i][idx, j] if i in gdn else None for i in range(n_layers)]
+                deepest = states is not None and bool(gdn) and b == last   # the request's new deepest block
+                if deepest and s.frontier is not None:   # (its old frontier first: the budget need not hold both)
+                    self.prefix.drop_frontier(*s.frontier)
+                    s.frontier = None
                 claim = self.prefix.insert(s.chain[b], s.chain[b - 1] if b else None, cache, s.row, b, states, ring,
                                            frontier=bool(gdn) and not keep)
-                if states is not None and gdn and b == last:   # the request's new deepest block
-                    if s.frontier is not None:
-                        self.prefix.drop_frontier(*s.frontier)
+                if deepest:
                     s.frontier = None if claim is None else (s.chain[b], claim)
 
     # -- what policies call --------------------------------------------------------------------------

@@ -28,10 +28,15 @@ that finishes keeps its claim, so its end stays). This is the choice vLLM and SG
 Mamba-style layers (states at coarse blocks or at the ends of inserted sequences, K/V for every token);
 a lookup reuses at most `state_every` blocks less than dense states would.
 
-Bounded by a byte budget; eviction takes the least recently used block among those that no cached
-block continues (a leaf of the tree of prefixes, as a radix cache does), so a shared beginning such
-as a system prompt outlives the conversations that grew from it; a block whose parent is gone is not
-kept (no lookup could reach it). An eviction makes a later lookup reuse less, never something wrong.
+Bounded by a byte budget. Eviction frees the least recently used of two things: a block that no cached
+block continues (a leaf of the tree of prefixes, as a radix cache does), taken whole, or the GDN states
+of a block that others continue, its K/V kept (SGLang's MambaRadixCache keeps such K/V-only nodes too):
+a conversation's deeper blocks are used more recently than its earlier ones, so its earlier states go
+first and the deepest, where its next turn restores from, stays; a shared beginning such as a system
+prompt outlives the conversations that grew from it. (Taking leaves only, a single long conversation
+over the budget lost its newest blocks instead: the cache stopped growing and each turn reused less.)
+A block whose parent is gone is not kept (no lookup could reach it). An eviction makes a later lookup
+reuse less, never something wrong.
 Restored states are the very tensors an earlier forward computed; a continuation is as exact as the
 forward that made the snapshot (an AR-made snapshot went through the recurrent form, a prefill through
 the chunked one: equal to about 1e-6).
@@ -79,7 +84,8 @@ class Entry:
     parent: bytes | None                 # the key of the block before (None for block 0)
     children: int = 0                    # cached blocks that continue this one
     pinned: bool = False                 # its states are kept for good (else only while requests claim them
-    owners: int = 0                      # as their frontier: how many do)
+    owners: int = 0                      # as their frontier: how many claims are out, on these states or
+                                         # on states eviction dropped, each given back by `drop_frontier`)
 
     @property
     def snapshot(self) -> bool:
@@ -98,13 +104,14 @@ class PrefixCacheStats:
     tokens_reused: int = 0
     tokens_looked_up: int = 0     # prompt tokens that could have been reused
     inserted: int = 0
-    evictions: int = 0
+    evictions: int = 0            # blocks evicted whole
+    state_evictions: int = 0      # GDN states evicted from blocks that others continue (their K/V kept)
     snapshots: int = 0            # GDN states kept (entries holding them; a frontier dropped takes one away)
 
     def to_dict(self) -> dict:
         return {"lookups": self.lookups, "hits": self.hits, "tokens_reused": self.tokens_reused,
                 "tokens_looked_up": self.tokens_looked_up, "inserted": self.inserted, "evictions": self.evictions,
-                "snapshots": self.snapshots}
+                "state_evictions": self.state_evictions, "snapshots": self.snapshots}
 
 
 @dataclass
@@ -195,16 +202,19 @@ class PrefixStore:
             entry.nbytes = sum(t.numel() * t.element_size() for ts in (keys, values) for t in ts if t is not None)
             if entry.nbytes > self.max_bytes:
                 return None
-            self.entries[key] = entry
-            if parent is not None:
+            if parent is not None:   # (touched before the block is added: a chain's deeper blocks are the more recent)
                 self.entries[parent].children += 1
                 self.entries.move_to_end(parent)
+            self.entries[key] = entry
             self.nbytes += entry.nbytes
             self.stats.inserted += 1
         if states is not None and rings is not None:
             self._attach(entry, states, rings, frontier)
-        self._fit()   # (K/V alone grow the cache too)
-        return entry if frontier and entry.states is not None and self.entries.get(key) is entry else None
+        self._fit()   # (K/V alone grow the cache too; the budget may take these states again, or the block)
+        if frontier and entry.states is not None and self.entries.get(key) is entry:
+            entry.owners += 1
+            return entry
+        return None
 
     def _attach(self, entry: Entry, states: list[torch.Tensor | None], rings: list[torch.Tensor | None],
                 frontier: bool) -> None:
@@ -222,19 +232,23 @@ class PrefixStore:
             return
         entry.nbytes += added
         self.nbytes += added
-        entry.pinned, entry.owners = not frontier, int(frontier)
+        entry.pinned = not frontier
         self.stats.snapshots += entry.snapshot
 
     def drop_frontier(self, key: bytes, entry: Entry) -> None:
         """Give back a request's claim on the states of block `key` (`insert`'s `entry`): it has gone past them.
         They are dropped, K/V kept, when no request claims them and none wants them for good."""
-        if self.entries.get(key) is not entry or entry.states is None or entry.pinned:
+        if self.entries.get(key) is not entry:
             return   # (evicted, perhaps cached again since: not this claim's entry)
         entry.owners -= 1
-        if entry.owners > 0:
-            return
+        if entry.owners == 0 and entry.states is not None and not entry.pinned:
+            self._drop_states(entry)
+
+    def _drop_states(self, entry: Entry) -> None:
+        """Keep only the block's K/V (states wanted for good are wanted again by the next insert that brings them)."""
         freed, held = entry.state_bytes(), entry.snapshot
         entry.states = entry.rings = None
+        entry.pinned = False
         entry.nbytes -= freed
         self.nbytes -= freed
         self.stats.snapshots -= held
@@ -252,8 +266,14 @@ class PrefixStore:
             self._evict_one()
 
     def _evict_one(self) -> None:
-        """Drop the least recently used leaf (a block no cached block continues)."""
-        victim = next(k for k, e in self.entries.items() if e.children == 0)
+        """Free the least recently used of: a leaf (a block no cached block continues), dropped whole, and the
+        GDN states of a block others continue, dropped alone (a model without GDN layers has none: every block
+        is a restore point there)."""
+        victim = next(k for k, e in self.entries.items() if e.children == 0 or e.snapshot)
+        if self.entries[victim].children > 0:
+            self._drop_states(self.entries[victim])
+            self.stats.state_evictions += 1
+            return
         old = self.entries.pop(victim)
         if old.parent is not None and old.parent in self.entries:
             self.entries[old.parent].children -= 1

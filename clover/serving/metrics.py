@@ -139,7 +139,9 @@ class _LiveCounters(Collector):
                      ("clover_prefix_cache_hits", "Lookups that reused at least one cached block.", prefix.stats.hits),
                      ("clover_prefix_cache_tokens_reused", "Prompt tokens restored from the prefix cache instead of "
                       "prefilled.", prefix.stats.tokens_reused),
-                     ("clover_prefix_cache_evictions", "Blocks evicted from the prefix cache.", prefix.stats.evictions)]
+                     ("clover_prefix_cache_evictions", "Blocks evicted from the prefix cache.", prefix.stats.evictions),
+                     ("clover_prefix_cache_state_evictions", "Gated DeltaNet states evicted from cached blocks that "
+                      "others continue (their K/V kept).", prefix.stats.state_evictions)]
         for name, help_, value in rows:
             family = CounterMetricFamily(name, help_, labels=["model_name"])
             family.add_metric([self.model_name], value)
