@@ -201,7 +201,8 @@ def main() -> None:
         "   names are coined per conversation, then SFT with recall drills in the mix (`sft4`: 60% chat, 20%",
         "   random strings written twice, 15% code, 5% English), for copying from the context. No distillation",
         "   after them: it would teach the model its own outputs, wrong tool names included.",
-        "9. More recall drills (`sft5`: 45% chat, 35% recall drills, 15% code, 5% English, 600 steps) from",
+        "9. More recall drills (`sft5`: 45% chat, 35% recall drills, 15% code, 5% English, "
+        f"{stages['sft5']['cfg']['steps'] if 'sft5' in stages else '?'} steps) from",
         "   `sft4`: the agent failures were copying failures (a value or name from training written instead of",
         "   the one in the conversation).",
         "10. Release in bfloat16.", "",
