@@ -434,7 +434,8 @@ def test_a_request_drops_its_old_frontier_but_not_states_another_keeps(model):
 
 def test_eviction_takes_a_chains_earlier_states_before_its_deeper_blocks_and_claims_outlive_it(model):
     """Over the budget, the least recently used of a leaf block (whole) and the GDN states of a block that others
-    continue (K/V kept) goes: a chain's earlier states first, so its deepest restore point stays; a frontier claim
+    continue (K/V kept) goes: a chain's earlier states first, so its deepest restore point stays; once the K/V and
+    two states no longer fit, leaves go and the inner states left stay as points to fall back to. A frontier claim
     made before its states were evicted, given back after another request brought them again, drops nothing."""
     engine = Engine(model, prefix_cache_bytes=64 << 20)
     store, cache = engine.prefix, model.new_cache(1)
@@ -446,23 +447,24 @@ def test_eviction_takes_a_chains_earlier_states_before_its_deeper_blocks_and_cla
     for b in (1, 2, 3):
         store.insert(keys[b], keys[b - 1], cache, 0, b, *state)                 # states wanted for good
     full, one = store.nbytes, store.entries[keys[0]].state_bytes()
-    assert store.match(keys, 4) == (4, 4)
-    for dropped in (1, 2, 3):                     # room for one state less each time: blocks 0, 1, 2 lose theirs
+    assert store.match(keys, 4) == (4, 4) and store.state_nbytes == 4 * one
+    for dropped in (1, 2):                        # room for one state less each time: blocks 0 and 1 lose theirs
         store.max_bytes = full - dropped * one
         store._fit()
         assert [store.entries[k].states is None for k in keys] == [b < dropped for b in range(4)]
         assert store.match(keys, 4) == (4, 4) and store.stats.evictions == 0
-    assert store.stats.state_evictions == 3 and store.stats.snapshots == 1
-    store.max_bytes = full - 3 * one - 1          # no earlier states left: the leaf goes whole
+    store.max_bytes = full - 3 * one              # the K/V and two states do not fit: the leaf goes, block 2 stays
     store._fit()
-    assert keys[3] not in store and store.match(keys, 4) == (0, 3) and store.stats.evictions == 1
+    assert keys[3] not in store and store.entries[keys[2]].states is not None and store.match(keys, 4) == (3, 3)
+    assert (store.stats.state_evictions, store.stats.evictions, store.stats.snapshots) == (2, 1, 1)
     store.max_bytes = 64 << 20
     other = store.insert(keys[0], None, cache, 0, 0, *state, frontier=True)     # another request's frontier
     store.drop_frontier(keys[0], claim)           # the claim from before the eviction
-    assert store.entries[keys[0]].states is not None and store.match(keys, 4) == (1, 3)
+    assert store.entries[keys[0]].states is not None
     store.drop_frontier(keys[0], other)
-    assert store.entries[keys[0]].states is None and store.stats.snapshots == 0
+    assert store.entries[keys[0]].states is None and store.stats.snapshots == 1
     assert store.nbytes == sum(e.nbytes for e in store.entries.values())
+    assert store.state_nbytes == sum(e.state_bytes() for e in store.entries.values())
 
 
 def test_a_conversation_over_the_budget_restores_its_previous_turn(model):
@@ -485,6 +487,25 @@ def test_a_conversation_over_the_budget_restores_its_previous_turn(model):
         assert engine.prefix.nbytes <= budget
         history = prompt + got.token_ids
     assert engine.prefix.stats.state_evictions > 0
+
+
+def test_a_conversation_whose_kv_outgrows_the_budget_keeps_restoring_a_prefix(model):
+    """Once a conversation's K/V and one state no longer fit, leaves go and inner states stay (found by a review:
+    evicting inner states whatever the K/V left a chain with no state, and from then on every turn restored
+    nothing)."""
+    probe = Engine(model, prefix_cache_bytes=64 << 20, prefix_state_every=1)
+    probe.generate([_tokens(8, 0)], _params("ar", 1))
+    entry = next(iter(probe.prefix.entries.values()))
+    kv, states = entry.nbytes - entry.state_bytes(), entry.state_bytes()
+    engine, cold = Engine(model, prefix_cache_bytes=30 * kv + states), Engine(model)
+    history = _tokens(40, 100)
+    for turn in range(12):
+        prompt = history + _tokens(16, 200 + turn)
+        got = engine.generate([prompt], _params("ar", 30))[0]
+        assert got.token_ids == cold.generate([prompt], _params("ar", 30))[0].token_ids
+        assert turn == 0 or got.stats.cached_tokens > 0, turn
+        assert engine.prefix.nbytes <= 30 * kv + states
+        history = prompt + got.token_ids
 
 
 @pytest.mark.parametrize("block_size", [12, 20])

@@ -30,13 +30,18 @@ a lookup reuses at most `state_every` blocks less than dense states would.
 
 Bounded by a byte budget. Eviction frees the least recently used of two things: a block that no cached
 block continues (a leaf of the tree of prefixes, as a radix cache does), taken whole, or the GDN states
-of a block that others continue, its K/V kept (SGLang's MambaRadixCache keeps such K/V-only nodes too):
-a conversation's deeper blocks are used more recently than its earlier ones, so its earlier states go
-first and the deepest, where its next turn restores from, stays; a shared beginning such as a system
-prompt outlives the conversations that grew from it. (Taking leaves only, a single long conversation
-over the budget lost its newest blocks instead: the cache stopped growing and each turn reused less.)
-A block whose parent is gone is not kept (no lookup could reach it). An eviction makes a later lookup
-reuse less, never something wrong.
+of a block that others continue, its K/V kept (SGLang's MambaRadixCache keeps such K/V-only nodes too),
+the latter only while the cache's K/V and two states fit the budget. A conversation's deeper blocks are
+used more recently than its earlier ones, so while states are what overflows, its earlier states go
+first and the deepest, where its next turn restores from, stays; once its K/V is what overflows, its
+newest blocks go and the inner states left are where it restores from. (Taking leaves only, a single
+conversation over the budget lost its newest blocks at once: the cache stopped growing and every later
+turn restored the prefix it had stopped at. Taking inner states whatever the K/V, a conversation whose
+K/V and one state outgrew the budget kept no state at all, and restored nothing from then on.) States
+kept "for good" (`Entry.pinned`) and a finished request's end are kept until an eviction takes them. A
+shared system prompt's states go before those of a conversation used after it, and come back as a
+branch point with the next request that shares it. A block whose parent is gone is not kept (no lookup
+could reach it). An eviction makes a later lookup reuse less, never something wrong.
 Restored states are the very tensors an earlier forward computed; a continuation is as exact as the
 forward that made the snapshot (an AR-made snapshot went through the recurrent form, a prefill through
 the chunked one: equal to about 1e-6).
@@ -83,9 +88,10 @@ class Entry:
     nbytes: int
     parent: bytes | None                 # the key of the block before (None for block 0)
     children: int = 0                    # cached blocks that continue this one
-    pinned: bool = False                 # its states are kept for good (else only while requests claim them
-    owners: int = 0                      # as their frontier: how many claims are out, on these states or
-                                         # on states eviction dropped, each given back by `drop_frontier`)
+    pinned: bool = False                 # its states are kept for good, eviction aside (else only while
+    owners: int = 0                      # requests claim them as their frontier: how many claims are out, on
+                                         # these states or on states eviction dropped; `drop_frontier` gives
+                                         # each back)
 
     @property
     def snapshot(self) -> bool:
@@ -121,6 +127,7 @@ class PrefixStore:
     state_every: int = 16                # GDN states after every state_every-th block (and where `Engine` asks)
     entries: OrderedDict[bytes, Entry] = field(default_factory=OrderedDict)
     nbytes: int = 0
+    state_nbytes: int = 0                # of which GDN states and rings
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _warned: bool = False                # (a budget below one block with its states, said once)
 
@@ -232,6 +239,7 @@ class PrefixStore:
             return
         entry.nbytes += added
         self.nbytes += added
+        self.state_nbytes += added
         entry.pinned = not frontier
         self.stats.snapshots += entry.snapshot
 
@@ -251,6 +259,7 @@ class PrefixStore:
         entry.pinned = False
         entry.nbytes -= freed
         self.nbytes -= freed
+        self.state_nbytes -= freed
         self.stats.snapshots -= held
 
     def clear(self) -> tuple[int, int]:
@@ -258,7 +267,7 @@ class PrefixStore:
         their rows; their frontier claims then name entries no longer cached, which `drop_frontier` ignores."""
         dropped = len(self.entries), self.nbytes
         self.entries.clear()
-        self.nbytes = self.stats.snapshots = 0
+        self.nbytes = self.state_nbytes = self.stats.snapshots = 0
         return dropped
 
     def _fit(self) -> None:
@@ -267,17 +276,23 @@ class PrefixStore:
 
     def _evict_one(self) -> None:
         """Free the least recently used of: a leaf (a block no cached block continues), dropped whole, and the
-        GDN states of a block others continue, dropped alone (a model without GDN layers has none: every block
-        is a restore point there)."""
-        victim = next(k for k, e in self.entries.items() if e.children == 0 or e.snapshot)
-        if self.entries[victim].children > 0:
-            self._drop_states(self.entries[victim])
+        GDN states of a block others continue, dropped alone, while the cache's K/V and one state fit the budget
+        (past that the K/V is what overflows: dropping inner states would leave a chain whose leaf must go next
+        with no state above it to restore from, so leaves go, the tail first, and inner states stay as the
+        points to fall back to). A model without GDN layers has no states to drop: every block restores."""
+        kv = self.nbytes - self.state_nbytes
+        victim = next(k for k, e in self.entries.items()
+                      if e.children == 0 or (e.snapshot and kv + 2 * e.state_bytes() <= self.max_bytes))
+        old = self.entries[victim]
+        if old.children > 0:
+            self._drop_states(old)
             self.stats.state_evictions += 1
             return
-        old = self.entries.pop(victim)
+        del self.entries[victim]
         if old.parent is not None and old.parent in self.entries:
             self.entries[old.parent].children -= 1
         self.nbytes -= old.nbytes
+        self.state_nbytes -= old.state_bytes()
         self.stats.evictions += 1
         self.stats.snapshots -= old.snapshot
 
