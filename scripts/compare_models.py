@@ -39,10 +39,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from clover.cli.evaluate import files_digest, weights_digest  # noqa: E402  (the package from ROOT)
+from clover.cli.evaluate import files_digest, source_digest, weights_digest  # noqa: E402  (the package from ROOT)
 from clover.model.files import write_text_atomic  # noqa: E402
 
-SOURCE = files_digest(sorted([*(ROOT / "clover").rglob("*.py"), *(ROOT / "clover").rglob("*.jinja")]))
+SOURCE = source_digest()
 
 
 def measure(model_dir: str | None, data: str, out: Path, conversations: int, prompts: int) -> dict:

@@ -25,11 +25,12 @@ step() { echo "== $* ($(date +%H:%M:%S))" >&2; }
 PARENT=$(cat "$RUNS/diff-init/PARENT" 2> /dev/null || echo "$RUNS/ar/model")
 step "bits per byte: AR parent and $MODEL"
 # (the AR parent's figures only where RUNS has it: a build continued from a release carries them in
-# RUNS/base_record.json, see scripts/model_card.py)
-[ -f "$RUNS/eval_bpb_ar.json" ] || [ ! -d "$PARENT" ] || "$BIN/clover" eval bpb --model "$PARENT" --data "$DATA" --out "$RUNS/eval_bpb_ar.json"
+# RUNS/base_record.json, see scripts/model_card.py; measured again each time, as the model's are: figures kept from
+# an earlier run could be of other code, printed beside the model's)
+[ ! -d "$PARENT" ] || "$BIN/clover" eval bpb --model "$PARENT" --data "$DATA" --out "$RUNS/eval_bpb_ar.json"
 "$BIN/clover" eval bpb --model "$MODEL" --data "$DATA" --out "$RUNS/eval_bpb_final.json"
 step "copying: AR parent and $MODEL"
-[ -f "$RUNS/eval_copy_ar.json" ] || [ ! -d "$PARENT" ] || "$BIN/clover" eval copy --model "$PARENT" --out "$RUNS/eval_copy_ar.json"
+[ ! -d "$PARENT" ] || "$BIN/clover" eval copy --model "$PARENT" --out "$RUNS/eval_copy_ar.json"
 "$BIN/clover" eval copy --model "$MODEL" --out "$RUNS/eval_copy_final.json"
 step "code continuations"
 "$BIN/clover" eval match --model "$MODEL" --data "$DATA" --out "$RUNS/eval_match.json"

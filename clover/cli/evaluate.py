@@ -115,6 +115,13 @@ def files_digest(paths: Iterable[Path]) -> str:
     return h.hexdigest()
 
 
+def source_digest() -> str:
+    """SHA-256 over this package's source (its .py and .jinja files): with the weights, what makes an evaluation's
+    outputs what they are (the engine, server, parser, task generators and checkers)."""
+    package = Path(__file__).resolve().parents[1]
+    return files_digest(sorted([*package.rglob("*.py"), *package.rglob("*.jinja")]))
+
+
 def weights_digest(model_dir: str | None) -> str:
     """SHA-256 over a checkpoint's config and weight files: what makes its outputs what they are."""
     from clover.model.checkpoint import default_model_dir, weight_files
@@ -125,7 +132,8 @@ def weights_digest(model_dir: str | None) -> str:
 
 def _fresh_unless_same(root: Path, identity: dict) -> None:
     """`clover eval tasks` resumes the task runs kept next to --out only when they were made by the same
-    weights with the same settings; others are cleared (they would stand in for this model's runs)."""
+    weights and package source with the same settings; others are cleared (they would stand in for this model's
+    runs)."""
     import shutil
 
     check_replaceable(root, "identity.json", "task runs of `clover eval tasks`")   # never a user's directory
@@ -162,7 +170,8 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
         root = Path(args.out + ".runs") if beside else Path(tmp)
         # (the dtype and the files that shape prompts and decoding too: a run in float32 stood in for bfloat16)
         shaping = [loaded.directory / n for n in ("generation_config.json", "chat_template.jinja", "tokenizer.json")]
-        _fresh_unless_same(root, {"weights_sha256": weights_digest(args.model), "count": args.count,
+        _fresh_unless_same(root, {"weights_sha256": weights_digest(args.model), "source_sha256": source_digest(),
+                                  "count": args.count,
                                   "step_limit": args.step_limit, "max_tokens": args.max_tokens,
                                   "condition": condition, "dtype": str(loaded.model.dtype).removeprefix("torch."),
                                   "files_sha256": files_digest([f for f in shaping if f.is_file()])})
