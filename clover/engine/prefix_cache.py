@@ -276,10 +276,10 @@ class PrefixStore:
 
     def _evict_one(self) -> None:
         """Free the least recently used of: a leaf (a block no cached block continues), dropped whole, and the
-        GDN states of a block others continue, dropped alone, while the cache's K/V and one state fit the budget
+        GDN states of a block others continue, dropped alone, while the cache's K/V and two states fit the budget
         (past that the K/V is what overflows: dropping inner states would leave a chain whose leaf must go next
-        with no state above it to restore from, so leaves go, the tail first, and inner states stay as the
-        points to fall back to). A model without GDN layers has no states to drop: every block restores."""
+        with no state above it to restore from, so leaves go, the tail first, and the inner states left, the
+        deepest, are the points to fall back to). A model without GDN layers has no states to drop: every block restores."""
         kv = self.nbytes - self.state_nbytes
         victim = next(k for k, e in self.entries.items()
                       if e.children == 0 or (e.snapshot and kv + 2 * e.state_bytes() <= self.max_bytes))
