@@ -397,16 +397,29 @@ def test_a_branch_point_found_by_a_lookup_is_restored_whole_by_the_next_prompt(m
     assert [r.stats.cached_tokens for r in got] == [0, 0, 40]
 
 
+def _store_and_states(model, n: int, seed: int) -> tuple:
+    """An empty prefix store, a cache row holding `n` tokens of `seed`, their block keys, and the GDN states and
+    rings after them (one row's: what `PrefixStore.insert` takes)."""
+    store, cache = Engine(model, prefix_cache_bytes=64 << 20).prefix, model.new_cache(1)
+    model.causal(torch.tensor([_tokens(n, seed)]), cache, logits="none")
+    state = ([s[0] if s is not None else None for s in cache.states], [r[0] if r is not None else None
+                                                                       for r in cache.rings])
+    return store, cache, block_keys(_tokens(n, seed), 8), state
+
+
+def _block_sizes(model) -> tuple[int, int]:
+    """(bytes of a block's K/V, bytes of the GDN states and rings after it) in a prefix cache of `model`."""
+    probe = Engine(model, prefix_cache_bytes=64 << 20, prefix_state_every=1)
+    probe.generate([_tokens(8, 0)], _params("ar", 1))
+    entry = next(iter(probe.prefix.entries.values()))
+    return entry.nbytes - entry.state_bytes(), entry.state_bytes()
+
+
 def test_a_request_drops_its_old_frontier_but_not_states_another_keeps(model):
     """`PrefixStore.insert(..., frontier=True)` returns the claim `drop_frontier` gives back: the states (and their
     bytes) go with the last claim, the K/V stay; states wanted for good by any insert are not dropped; a K/V-only block
     takes states; a claim on an entry evicted (and cached again since) drops nothing."""
-    engine = Engine(model, prefix_cache_bytes=64 << 20)
-    store, cache = engine.prefix, model.new_cache(1)
-    model.causal(torch.tensor([_tokens(24, 16)]), cache, logits="none")
-    keys = block_keys(_tokens(24, 16), 8)
-    state = ([s[0] if s is not None else None for s in cache.states], [r[0] if r is not None else None
-                                                                       for r in cache.rings])
+    store, cache, keys, state = _store_and_states(model, 24, 16)
     assert store.insert(keys[0], None, cache, 0, 0, None, None) is None           # K/V only
     kv_bytes = store.nbytes
     first = store.insert(keys[0], None, cache, 0, 0, *state, frontier=True)       # takes states
@@ -437,12 +450,7 @@ def test_eviction_takes_a_chains_earlier_states_before_its_deeper_blocks_and_cla
     continue (K/V kept) goes: a chain's earlier states first, so its deepest restore point stays; once the K/V and
     two states no longer fit, leaves go and the inner states left stay as points to fall back to. A frontier claim
     made before its states were evicted, given back after another request brought them again, drops nothing."""
-    engine = Engine(model, prefix_cache_bytes=64 << 20)
-    store, cache = engine.prefix, model.new_cache(1)
-    model.causal(torch.tensor([_tokens(32, 17)]), cache, logits="none")
-    keys = block_keys(_tokens(32, 17), 8)
-    state = ([s[0] if s is not None else None for s in cache.states], [r[0] if r is not None else None
-                                                                       for r in cache.rings])
+    store, cache, keys, state = _store_and_states(model, 32, 17)
     claim = store.insert(keys[0], None, cache, 0, 0, *state, frontier=True)     # a request's frontier
     for b in (1, 2, 3):
         store.insert(keys[b], keys[b - 1], cache, 0, b, *state)                 # states wanted for good
@@ -471,10 +479,7 @@ def test_a_conversation_over_the_budget_restores_its_previous_turn(model):
     """A conversation that outgrows the budget keeps reusing all of its previous turn (its earlier states are the
     ones evicted), and the output is unchanged (found by a review: the leaf-only eviction took the newest blocks,
     so the cache stopped growing and each later turn reused less)."""
-    probe = Engine(model, prefix_cache_bytes=64 << 20, prefix_state_every=1)
-    probe.generate([_tokens(8, 0)], _params("ar", 1))
-    entry = next(iter(probe.prefix.entries.values()))
-    kv, states = entry.nbytes - entry.state_bytes(), entry.state_bytes()
+    kv, states = _block_sizes(model)
     budget = 12 * kv + 3 * states                 # the 80-token history's K/V and a few states, not a state a block
     engine, cold = Engine(model, prefix_cache_bytes=budget, prefix_state_every=1), Engine(model)
     history: list[int] = []
@@ -493,10 +498,7 @@ def test_a_conversation_whose_kv_outgrows_the_budget_keeps_restoring_a_prefix(mo
     """Once a conversation's K/V and one state no longer fit, leaves go and inner states stay (found by a review:
     evicting inner states whatever the K/V left a chain with no state, and from then on every turn restored
     nothing)."""
-    probe = Engine(model, prefix_cache_bytes=64 << 20, prefix_state_every=1)
-    probe.generate([_tokens(8, 0)], _params("ar", 1))
-    entry = next(iter(probe.prefix.entries.values()))
-    kv, states = entry.nbytes - entry.state_bytes(), entry.state_bytes()
+    kv, states = _block_sizes(model)
     engine, cold = Engine(model, prefix_cache_bytes=30 * kv + states), Engine(model)
     history = _tokens(40, 100)
     for turn in range(12):
