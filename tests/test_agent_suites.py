@@ -241,6 +241,22 @@ def test_default_suite_sizes_cover_every_family_equally():
     assert sorted(t.id.split("-")[1] for t in sizes["memory"]) == ["2"] * 4 + ["32"] * 4 + ["8"] * 4
 
 
+def test_the_validation_split_draws_other_seeds_of_the_same_tasks():
+    """`--split val` (to develop a recipe on): the seeded suites' tasks on validation seeds, none of them a test
+    task, of the same families and sizes; humaneval (one fixed set) and unknown splits are clear errors."""
+    for suite in ("synthetic", "tools", "memory", "heldout", "coding"):
+        test, val = S.suite_tasks(suite, 8), S.suite_tasks(suite, 8, "val")
+        seeds = lambda ts: [int(t.id.rsplit("-", 1)[1]) for t in ts]  # noqa: E731
+        lo, hi = synthetic.SPLIT_SEEDS["val"], synthetic.SPLIT_SEEDS["val"] + synthetic.SPLIT_SPAN
+        assert all(lo <= x < hi for x in seeds(val)) and not set(seeds(val)) & set(seeds(test)), suite
+        assert [t.id.rsplit("-", 1)[0] for t in val] == [t.id.rsplit("-", 1)[0] for t in test], suite
+        assert [t.prompt for t in val] != [t.prompt for t in test], suite
+    with pytest.raises(ValueError, match="no validation split"):
+        S.suite_tasks("humaneval", 1, "val")
+    with pytest.raises(ValueError, match="unknown split 'train'; choose from test, val"):
+        S.suite_tasks("memory", 1, "train")
+
+
 def test_an_answer_must_state_the_expected_value_whole():
     """A 2026-12-02 report counted "The result is 2031." as solving a task whose answer is 31: parts are
     matched as whole items, not as substrings of a longer number or word."""

@@ -29,11 +29,11 @@ from clover.training import synthetic
 SUITES = ("tools", "memory", "heldout", "coding", "humaneval")
 
 
-def _task_table(suites):
+def _task_table(suites, split="test"):
     """The prompt of every task of `suites` the tests use -> the task (each prompt must name one task)."""
     table = {}
     for suite in suites:
-        for ht in agent_suites.suite_tasks(suite, 4):
+        for ht in agent_suites.suite_tasks(suite, 4, split):
             key = json.dumps([m["content"] for m in ht.prompt])
             assert key not in table, f"two tasks share a prompt: {ht.id}"
             table[key] = ht
@@ -301,6 +301,10 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
         cfg.runs = 1
         harness.run_harness(cfg, cut, resume=True)
     assert len((cut / "results.jsonl").read_text().splitlines()) == 80   # 5 suites x 4 tasks x 2 conditions x 2 runs
+    # a run written before `split` existed drew test seeds: it resumes as test, and not as a validation run
+    meta = json.loads((cut / "metadata.json").read_text())
+    (cut / "metadata.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "split"}))
+    harness.run_harness(_cfg(url), cut, resume=True)
     # (a hostile pass, session 51: without metadata.json a resume took the new settings for the old runs')
     # JSON that is not a run's metadata was a traceback (session 52); text that is not UTF-8 names the file
     for bad in (b"{cut", b"[1, 2]", b'{"endpoints": [1]}', b'{"endpoints": 3}', b"\xff{}"):
@@ -310,6 +314,20 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
     (cut / "metadata.json").unlink()
     with pytest.raises(ValueError, match="holds results.jsonl but no metadata.json"):
         harness.run_harness(_cfg(url), cut, resume=True)
+
+
+def test_a_validation_run_draws_validation_tasks_and_resumes_only_as_one(endpoint, tmp_path):
+    url, _ = endpoint("oracle", _task_table(("tools", "memory"), "val"))
+    cfg = _cfg(url, suites=("tools", "memory"), split="val")
+    harness.run_harness(cfg, tmp_path / "val")
+    rows = [json.loads(x) for x in (tmp_path / "val" / "results.jsonl").read_text().splitlines()]
+    assert sorted({r["task"] for r in rows}) == sorted(t.id for s in ("tools", "memory")
+                                                       for t in agent_suites.suite_tasks(s, 4, "val"))
+    assert all(r["success"] for r in rows) and json.loads((tmp_path / "val" / "metadata.json").read_text())["split"] == "val"
+    with pytest.raises(ValueError, match="other split"):
+        harness.run_harness(_cfg(url, suites=("tools", "memory")), tmp_path / "val", resume=True)
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        _cfg(url, split="dev")
 
 
 @pytest.mark.parametrize("args,message", [

@@ -52,7 +52,7 @@ def cmd_eval_agent(args: argparse.Namespace) -> int:
                         suites=tuple(args.suite.split(",")),
                         tasks_per_suite=args.tasks, runs=args.runs, conditions=conditions, step_limit=args.step_limit,
                         task_timeout_s=args.task_timeout, request_timeout_s=args.request_timeout,
-                        max_tokens=args.max_tokens, thinking=args.thinking)
+                        max_tokens=args.max_tokens, thinking=args.thinking, split=args.split)
     summary = run_harness(cfg, args.out, resume=args.resume)
     print(json.dumps({c: {k: v for k, v in s.items() if k in ("success_mean", "reasons", "tpf", "tokens_per_s")}
                       | {"total_s_median": s["total_s"]["median"]} for c, s in summary.items()}))
@@ -90,7 +90,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             model, tok, args.data, args.prompts, args.new_tokens, args.thresholds,
             args.block_size, args.batch, args.split)}
     else:
-        result = {"evaluation": "agent_tasks", "runs": _eval_tasks(args, loaded)}
+        result = {"evaluation": "agent_tasks", "split": args.split, "runs": _eval_tasks(args, loaded)}
     result["model"] = str(args.model or "shipped")
     result["dtype"] = str(model.dtype).removeprefix("torch.")
     if args.out:
@@ -171,14 +171,14 @@ def _eval_tasks(args: argparse.Namespace, loaded: object) -> list[dict]:
         # (the dtype and the files that shape prompts and decoding too: a run in float32 stood in for bfloat16)
         shaping = [loaded.directory / n for n in ("generation_config.json", "chat_template.jinja", "tokenizer.json")]
         _fresh_unless_same(root, {"weights_sha256": weights_digest(args.model), "source_sha256": source_digest(),
-                                  "count": args.count,
+                                  "count": args.count, "split": args.split,
                                   "step_limit": args.step_limit, "max_tokens": args.max_tokens,
                                   "condition": condition, "dtype": str(loaded.model.dtype).removeprefix("torch."),
                                   "files_sha256": files_digest([f for f in shaping if f.is_file()])})
         for thinking in [True, False] if args.thinking == "both" else [args.thinking == "on"]:
             cfg = HarnessConfig(endpoints=[Endpoint(url + "/v1", "clover")], suites=("synthetic",),
                                 tasks_per_suite=args.count, runs=1, conditions=[condition], step_limit=args.step_limit,
-                                max_tokens=args.max_tokens, thinking=thinking, infra_retries=0)
+                                max_tokens=args.max_tokens, thinking=thinking, infra_retries=0, split=args.split)
             out = root / f"thinking-{'on' if thinking else 'off'}"
             t0 = time.perf_counter()
             run_harness(cfg, out, resume=(out / "results.jsonl").is_file())
@@ -239,6 +239,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "one that never began is an infrastructure error")
     a.add_argument("--max-tokens", type=positive_int, default=256)
     a.add_argument("--thinking", action="store_true", help="thinking on (default off)")
+    a.add_argument("--split", default="test", choices=["test", "val"],
+                   help="seeds of the seeded suites (all but humaneval): test (report these), or val to develop a "
+                        "recipe on without tuning to the test tasks")
     a.add_argument("--api-key")
     a.add_argument("--out", required=True)
     a.add_argument("--resume", action="store_true")
@@ -287,6 +290,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
             e.add_argument("--step-limit", type=positive_int, default=12)
             e.add_argument("--max-tokens", type=positive_int, default=160)
             e.add_argument("--thinking", default="both", choices=["on", "off", "both"])
+            e.add_argument("--split", default="test", choices=["test", "val"],
+                           help="task seeds: test (the model card's), or val to develop a recipe on")
             e.add_argument("--algorithm", choices=list(ALGORITHMS), help="(default: the model's generation config)")
             e.add_argument("--threshold", type=threshold, help="(default: the model's generation config)")
         e.set_defaults(func=cmd_eval)

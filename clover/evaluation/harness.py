@@ -41,7 +41,7 @@ from clover.evaluation.client import (
     list_models,
     stream_chat,
 )
-from clover.evaluation.suites import Environment, HarnessTask, check_suite, suite_tasks
+from clover.evaluation.suites import Environment, HarnessTask, check_suite, seed_base, suite_tasks
 from clover.model.files import json_lines, read_text, write_text_atomic
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
@@ -87,6 +87,7 @@ class HarnessConfig:
     infra_retries: int = 2
     infra_backoff_s: float = 1.0   # the wait before retry k (k = 0, 1, ...) is this times 2**k, at most 10 s
     thinking: bool = False
+    split: str = "test"   # whose seeds the seeded suites draw: test, or val (to develop a recipe on)
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -95,6 +96,7 @@ class HarnessConfig:
             raise ValueError("endpoint names must differ; label them with name=URL")
         if not self.infra_backoff_s >= 0:
             raise ValueError("the retry backoff must be a number of seconds >= 0")
+        seed_base(self.split)   # (a ValueError naming the splits)
         self.suites = tuple(dict.fromkeys(self.suites))   # (`--suite tools,tools` would run each task twice as often)
         if self.runs < 1 or (self.tasks_per_suite is not None and self.tasks_per_suite < 1) or self.step_limit < 1:
             raise ValueError("runs, tasks per suite and the step limit must be at least 1")
@@ -268,13 +270,14 @@ def _failure(reason: str, error: str, steps: list[dict] | None = None) -> dict:
 # what a resumed run must share with its first part (metadata.json), or its results would not be one run's
 # (`runs` may grow: more runs of each task extend it)
 SAME_ON_RESUME = ("endpoints", "suites", "tasks_per_suite", "conditions", "step_limit", "task_timeout_s",
-                  "request_timeout_s", "max_tokens", "thinking")
+                  "request_timeout_s", "max_tokens", "thinking", "split")
 
 
 def _resume_settings(meta: dict) -> dict:
     """The SAME_ON_RESUME fields of a run's metadata; endpoints by name and model, not address (a server
     may come back on another port)."""
     out = {k: meta.get(k) for k in SAME_ON_RESUME}
+    out["split"] = out["split"] or "test"   # (runs written before the option drew test seeds)
     out["endpoints"] = [(e["name"], e["model"]) for e in out["endpoints"] or []]
     return out
 
@@ -304,7 +307,7 @@ def run_harness(cfg: HarnessConfig, out: str | Path, resume: bool = False) -> di
             raise ValueError(f"{out} holds {', '.join(held)} but no results.jsonl of a run to resume: a new run would "
                              "overwrite them; choose another --out (or move them)")
     previous = [record for _, record in whole]
-    tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite)]  # fails before any file is written
+    tasks = [t for s in cfg.suites for t in suite_tasks(s, cfg.tasks_per_suite, cfg.split)]  # fails before any file is written
     for endpoint in cfg.endpoints:
         _check_reachable(cfg, endpoint)
     out.mkdir(parents=True, exist_ok=True)
@@ -427,7 +430,7 @@ def _metadata(cfg: HarnessConfig) -> dict:
             "suites": list(cfg.suites), "tasks_per_suite": cfg.tasks_per_suite, "runs": cfg.runs,
             "conditions": cfg.conditions, "step_limit": cfg.step_limit, "task_timeout_s": cfg.task_timeout_s,
             "request_timeout_s": cfg.request_timeout_s, "max_tokens": cfg.max_tokens, "thinking": cfg.thinking,
-            "infra_retries": cfg.infra_retries, "infra_backoff_s": cfg.infra_backoff_s,
+            "split": cfg.split, "infra_retries": cfg.infra_retries, "infra_backoff_s": cfg.infra_backoff_s,
             "python": platform.python_version(), "torch": torch.__version__,
             "httpx": httpx.__version__, "machine": platform.machine(), "processor": platform.processor(),
             "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -37,8 +37,18 @@ from clover.evaluation.sandbox import Limits, remove_tree, run_command, runs_to_
 from clover.training import agent_data, synthetic
 
 MEMORY_STEPS = (2, 8, 32)
-# test-range seeds that the model card's evaluation (`clover eval tasks`) does not use
+# the seeded suites draw from the test split (what a model is judged on) or the validation split (what its
+# recipe may be developed on); `synthetic` from the start of the split, the others from 500,000 further on,
+# seeds the model card's evaluation (`clover eval tasks`) does not use
+SPLITS = ("test", "val")
 SEED_BASE = synthetic.SPLIT_SEEDS["test"] + 500_000
+
+
+def seed_base(split: str) -> int:
+    """Where the tools, memory, heldout and coding suites' seeds start in `split` (test: SEED_BASE)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+    return synthetic.SPLIT_SEEDS[split] + 500_000
 
 
 class Environment(Protocol):
@@ -107,8 +117,9 @@ class SyntheticSuite:
     name = "synthetic"
     default_count = 100
 
-    def tasks(self, count: int) -> list[HarnessTask]:
-        return [_synthetic_task(f"synthetic-{t.family}-{t.seed}", self.name, t) for t in synthetic.tasks("test", count)]
+    def tasks(self, count: int, split: str = "test") -> list[HarnessTask]:
+        seed_base(split)
+        return [_synthetic_task(f"synthetic-{t.family}-{t.seed}", self.name, t) for t in synthetic.tasks(split, count)]
 
 
 class ToolsSuite:
@@ -116,10 +127,10 @@ class ToolsSuite:
     default_count = 12
     families = ("calc", "notes", "files", "calc_faulty")
 
-    def tasks(self, count: int) -> list[HarnessTask]:
-        out = []
+    def tasks(self, count: int, split: str = "test") -> list[HarnessTask]:
+        out, base = [], seed_base(split)
         for i in range(count):
-            fam, seed = self.families[i % len(self.families)], SEED_BASE + i
+            fam, seed = self.families[i % len(self.families)], base + i
             if fam == "calc_faulty":
                 out.append(_synthetic_task(f"tools-calc_faulty-{seed}", self.name, synthetic.make_faulty_calc(seed), True))
             else:
@@ -132,10 +143,10 @@ class MemorySuite:
     name = "memory"
     default_count = 12
 
-    def tasks(self, count: int) -> list[HarnessTask]:
-        out = []
+    def tasks(self, count: int, split: str = "test") -> list[HarnessTask]:
+        out, base = [], seed_base(split)
         for i in range(count):
-            steps, seed = MEMORY_STEPS[i % len(MEMORY_STEPS)], SEED_BASE + 1000 + i
+            steps, seed = MEMORY_STEPS[i % len(MEMORY_STEPS)], base + 1000 + i
             out.append(_synthetic_task(f"memory-{steps}-{seed}", self.name,
                                        synthetic.make_task("recall", seed, thinking=False, steps=steps)))
         return out
@@ -149,10 +160,10 @@ class HeldoutSuite:
     default_count = 12
     families = ("everyday", "lookup")
 
-    def tasks(self, count: int) -> list[HarnessTask]:
-        out = []
+    def tasks(self, count: int, split: str = "test") -> list[HarnessTask]:
+        out, base = [], seed_base(split)
         for i in range(count):
-            fam, seed = self.families[i % len(self.families)], SEED_BASE + 2000 + i
+            fam, seed = self.families[i % len(self.families)], base + 2000 + i
             task = agent_data.make_training_task(fam, seed, pool="heldout")
             out.append(_synthetic_task(f"heldout-{fam}-{seed}", self.name, task))
         return out
@@ -452,11 +463,11 @@ class CodingSuite:
     def __init__(self, limits: Limits = CODING_LIMITS) -> None:
         self.limits = limits
 
-    def tasks(self, count: int) -> list[HarnessTask]:
-        out = []
+    def tasks(self, count: int, split: str = "test") -> list[HarnessTask]:
+        out, base = [], seed_base(split)
         fams = list(CODING_FAMILIES)
         for i in range(count):
-            fam, seed = fams[i % len(fams)], SEED_BASE + 2000 + i
+            fam, seed = fams[i % len(fams)], base + 2000 + i
             repo = CODING_FAMILIES[fam](random.Random(f"coding:{fam}:{seed}"))
             prompt = [{"role": "system", "content": CODING_SYSTEM}, {"role": "user", "content": repo.prompt}]
             out.append(HarnessTask(f"coding-{fam}-{seed}", self.name, CODING_TOOLS, prompt, repo.reference,
@@ -516,7 +527,9 @@ class HumanEvalSuite:
     def __init__(self, limits: Limits = HUMANEVAL_LIMITS) -> None:
         self.limits = limits
 
-    def tasks(self, count: int) -> list[HarnessTask]:
+    def tasks(self, count: int, split: str = "test") -> list[HarnessTask]:
+        if split != "test":
+            raise ValueError("the humaneval suite is one fixed set of 164 problems, with no validation split")
         out = []
         for p in humaneval_problems()[:count]:
             prompt = [{"role": "user", "content": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```"}]
@@ -534,7 +547,8 @@ def check_suite(suite: str) -> None:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
 
 
-def suite_tasks(suite: str, count: int | None = None) -> list[HarnessTask]:
-    """`count` tasks of `suite` (default: the suite's own size: every family equally, all 164 problems)."""
+def suite_tasks(suite: str, count: int | None = None, split: str = "test") -> list[HarnessTask]:
+    """`count` tasks of `suite` (default: the suite's own size: every family equally, all 164 problems) on the
+    seeds of `split` (test, or val to develop a recipe on)."""
     check_suite(suite)
-    return SUITES[suite]().tasks(SUITES[suite].default_count if count is None else count)
+    return SUITES[suite]().tasks(SUITES[suite].default_count if count is None else count, split)
