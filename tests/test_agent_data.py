@@ -232,6 +232,37 @@ def test_coined_values_replace_the_harness_words_only_where_asked():
             A.training_tasks("train", 1, coin_values=bad)
 
 
+def test_the_recall_ledger_says_what_is_added_and_what_is_left():
+    """`recall_ledger`: each call of a running-total conversation says the number it adds and those left after it
+    ("none" before the answer); the conversation is otherwise the one without it, and only recall changes."""
+    with_ledger = A.training_tasks("train", 300, recall_ledger=1.0)
+    plain = A.training_tasks("train", 300)
+    recalls = 0
+    for task, base in zip(with_ledger, plain, strict=True):
+        if task.family != "recall":
+            assert task.messages == base.messages
+            continue
+        recalls += 1
+        strip = [{k: v for k, v in m.items() if not (k == "content" and m.get("tool_calls"))} for m in task.messages]
+        assert strip == [{k: v for k, v in m.items() if not (k == "content" and m.get("tool_calls"))}
+                         for m in base.messages]
+        assert all(not m["content"] for m in base.messages if m.get("tool_calls"))
+        user = [m["content"] for m in task.messages if m["role"] == "user"][-1]
+        numbers = re.findall(r"\d+", user.split(":", 1)[1])
+        calls = [m for m in task.messages[task.start:] if m.get("tool_calls")]
+        assert len(calls) == len(numbers) - 1 and task.check(task.messages[-1]["content"])
+        for i, m in enumerate(calls):
+            left = numbers[i + 2:]
+            assert m["content"] == f"Adding {numbers[i + 1]}; left after it: {', '.join(left) or 'none'}."
+            assert json.loads(m["tool_calls"][0]["function"]["arguments"]).popitem()[1].endswith(f" + {numbers[i + 1]}")
+    assert recalls >= 25
+    shares = [any(m.get("tool_calls") and m["content"] for m in t.messages)
+              for t in A.training_tasks("train", 900, recall_ledger=0.5) if t.family == "recall"]
+    assert 0.35 < np.mean(shares) < 0.65   # ~120 conversations: 0.5 +- 3.3 standard errors (0.046)
+    with pytest.raises(ValueError, match="recall_ledger"):
+        A.training_tasks("train", 1, recall_ledger=2.0)
+
+
 def test_earlier_exchanges_come_from_the_conversations_own_split(monkeypatch):
     """An earlier, unrelated exchange put before a conversation is a task of a seed from the same split's
     range: training conversations never carry a validation or test seed's task (they drew from 0..10**9)."""

@@ -46,7 +46,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
         chats = {"train": args.chat_train, "val": args.chat_eval, "test": args.chat_eval}
         recall = {"train": args.recall_train, "val": args.recall_eval, "test": args.recall_eval}
         manifest = build_corpus(tmp, args.cache, chats, recall, coin_values=args.coin_values,
-                                recall_crossing=args.recall_crossing)
+                                recall_crossing=args.recall_crossing, recall_ledger=args.recall_ledger)
         print(f"corpus: {sum(s.get('train', {}).get('documents', 0) for s in manifest['sources'].values())} "
               f"training documents from {len(manifest['sources'])} sources ({time.perf_counter() - t0:.0f}s)",
               file=sys.stderr)
@@ -104,6 +104,9 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--recall-crossing", type=float, default=0.0, metavar="SHARE",
                    help="share of recall drills that restate each value in the other spelling: stated on a line of "
                         "its own and quoted after a space, or the other way round (default 0)")
+    b.add_argument("--recall-ledger", type=float, default=0.0, metavar="SHARE",
+                   help="share of the agent conversations' running-total tasks (the memory suite's) whose tool calls "
+                        "also say the number added and the numbers still left (default 0)")
     b.set_defaults(func=cmd_data_build)
     d = dsub.add_parser(
         "distill", help="self-distillation data: the model's greedy ar replies and continuations as targets",

@@ -312,15 +312,19 @@ def _distractors(rng: random.Random, pool: str, offered: list[dict]) -> list[dic
     return out
 
 
-def make_training_task(family: str, seed: int, pool: str = "train", coin_values: float = 0.0) -> Task:
+def make_training_task(family: str, seed: int, pool: str = "train", coin_values: float = 0.0,
+                       recall_ledger: float = 0.0) -> Task:
     """One conversation of `family` from `seed`, dressed up as described in the module docstring;
     `coin_values`: the share of `train`-pool tasks whose values to copy are invented words (0: WORDS, and
-    the conversations are exactly those generated before the option existed)."""
+    the conversations are exactly those generated before the option existed); `recall_ledger`: the share of
+    `recall` conversations whose calls say the number added and those left (`synthetic._recall`'s `ledger`;
+    decided by a draw of its own, so a conversation with the ledger is otherwise the one without it)."""
     if family not in FAMILY_WEIGHTS:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILY_WEIGHTS)}")
     if pool not in LOOKUP_POOLS:
         raise ValueError(f"unknown pool {pool!r}; choose from {sorted(LOOKUP_POOLS)}")
     check_share("coin_values", coin_values)
+    check_share("recall_ledger", recall_ledger)
     rng = random.Random(f"agent:{family}:{pool}:{seed}")
     thinking = rng.random() < 0.5
     b = _Builder(World(), thinking)
@@ -337,7 +341,8 @@ def make_training_task(family: str, seed: int, pool: str = "train", coin_values:
         elif family == "lookup":
             answer, tools = _lookup(rng, b, pool)
         elif family == "recall":
-            answer, tools = synthetic._recall(rng, b, steps=rng.choice(RECALL_STEPS))
+            ledger = recall_ledger > 0 and random.Random(f"ledger:{pool}:{seed}").random() < recall_ledger
+            answer, tools = synthetic._recall(rng, b, steps=rng.choice(RECALL_STEPS), ledger=ledger)
         else:
             answer, tools = synthetic._FAMILY[family](rng, b)
     tools = [shown.get(t["function"]["name"], t) for t in tools]
@@ -369,10 +374,11 @@ def make_training_task(family: str, seed: int, pool: str = "train", coin_values:
                 start=last_user)
 
 
-def training_tasks(split: str, count: int, pool: str = "train", coin_values: float = 0.0) -> list[Task]:
+def training_tasks(split: str, count: int, pool: str = "train", coin_values: float = 0.0,
+                   recall_ledger: float = 0.0) -> list[Task]:
     """`count` conversations of `split` (seeds from its own range), families drawn by FAMILY_WEIGHTS."""
     if split not in synthetic.SPLIT_SEEDS:
         raise ValueError(f"unknown split {split!r}; choose from {list(synthetic.SPLIT_SEEDS)}")
     cycle = [f for f, w in FAMILY_WEIGHTS.items() for _ in range(w)]
     base = synthetic.SPLIT_SEEDS[split]
-    return [make_training_task(cycle[i % len(cycle)], base + i, pool, coin_values) for i in range(count)]
+    return [make_training_task(cycle[i % len(cycle)], base + i, pool, coin_values, recall_ledger) for i in range(count)]

@@ -113,11 +113,13 @@ def documents(cache: Path) -> Iterator[Document]:
 
 def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int] | None = None,
                  recall_counts: dict[str, int] | None = None, coin_values: float = 0.0,
-                 recall_crossing: float = 0.0) -> dict:
+                 recall_crossing: float = 0.0, recall_ledger: float = 0.0) -> dict:
     """Write raw/{split}/{kind}.jsonl and manifest.json (documents, bytes and licence per source and split);
     `coin_values`: `agent_data.make_training_task`'s share of conversations whose values to copy are invented;
-    `recall_crossing`: `recall_data.drill`'s share of drills that restate values in the other spelling."""
+    `recall_crossing`: `recall_data.drill`'s share of drills that restate values in the other spelling;
+    `recall_ledger`: `agent_data.make_training_task`'s share of `recall` conversations whose calls say what is left."""
     synthetic.check_share("coin_values", coin_values)
+    synthetic.check_share("recall_ledger", recall_ledger)
     synthetic.check_share("recall_crossing", recall_crossing)
     out, cache = Path(out), Path(cache)
     chat_counts = chat_counts or {"train": 20000, "val": 200, "test": 200}
@@ -140,8 +142,8 @@ def build_corpus(out: str | Path, cache: str | Path, chat_counts: dict[str, int]
             s = stats.setdefault("synthetic-chat", {"kind": "chat", "licence": LICENCES["synthetic-chat"]})
             s[split] = {"documents": count, "seeds": [synthetic.SPLIT_SEEDS[split],
                                                       synthetic.SPLIT_SEEDS[split] + count - 1],
-                         "coin_values": coin_values}
-            for task in agent_data.training_tasks(split, count, coin_values=coin_values):
+                         "coin_values": coin_values, "recall_ledger": recall_ledger}
+            for task in agent_data.training_tasks(split, count, coin_values=coin_values, recall_ledger=recall_ledger):
                 files[split, "chat"].write(json.dumps({"family": task.family, "seed": task.seed,
                                                        "messages": task.messages, "tools": task.tools}) + "\n")
         for split, count in recall_counts.items():

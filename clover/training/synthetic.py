@@ -218,13 +218,15 @@ class _Builder:
     def system(self, text: str) -> None:
         self.messages.append({"role": "system", "content": text})
 
-    def act(self, thought: str, name: str, /, **args: Any) -> str:
+    def act(self, thought: str, name: str, said: str = "", /, **args: Any) -> str:
+        """Call tool `name` with `args` (the tool's own parameter names, renamed as shown), `said` as the reply's
+        content and `thought` as its reasoning when thinking; the result is appended and returned."""
         if self.initial_files is None:
             self.initial_files = dict(self.world.files)
         if name in self.renames:
             name, params = self.renames[name]
             args = {params[k]: v for k, v in args.items()}
-        msg = {"role": "assistant", "content": "", "tool_calls": [_call(name, **args)]}
+        msg = {"role": "assistant", "content": said, "tool_calls": [_call(name, **args)]}
         if self.thinking:
             msg["reasoning_content"] = thought
         self.messages.append(msg)
@@ -310,7 +312,10 @@ def _files(rng: random.Random, b: _Builder) -> tuple[str, list[dict]]:
     return seen, [LIST_DIR, READ_FILE]
 
 
-def _recall(rng: random.Random, b: _Builder, steps: int | None = None) -> tuple[str, list[dict]]:
+def _recall(rng: random.Random, b: _Builder, steps: int | None = None, ledger: bool = False) -> tuple[str, list[dict]]:
+    """`ledger`: each call's reply also says, in its content, the number it adds and those still left after it
+    ("none" before the answer), so that the next number and the moment to answer can be read off the reply before
+    it rather than counted over the whole conversation (training data; the harness's tasks are unchanged)."""
     steps = steps if steps is not None else rng.choice([2, 4, 8])
     rule, check_word = rng.choice([("End every final answer with the word DONE.", "DONE"),
                                    ("Always mention the code word {} in your final answer.", None)])
@@ -321,8 +326,10 @@ def _recall(rng: random.Random, b: _Builder, steps: int | None = None) -> tuple[
     nums = [rng.randint(1, 50) for _ in range(steps + 1)]
     b.user(f"Add these numbers one at a time with the calculator: {', '.join(map(str, nums))}.")
     total = str(nums[0])
-    for x in nums[1:]:
-        total = b.act(f"Add {x} to {total}.", "calculator", expression=f"{total} + {x}")
+    for i, x in enumerate(nums[1:], 2):
+        left = ", ".join(map(str, nums[i:])) or "none"
+        said = f"Adding {x}; left after it: {left}." if ledger else ""
+        total = b.act(f"Add {x} to {total}.", "calculator", said, expression=f"{total} + {x}")
     text = f"The total is {total}. {marker}" if check_word else f"The total is {total} ({marker})."
     b.answer(f"The total is {total}; the system asks me to include {marker}.", text)
     return f"{total}|{marker}", [CALCULATOR]
