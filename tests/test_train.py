@@ -364,7 +364,8 @@ def test_torchrun_two_processes_match_one_process(data_dir, tmp_path, compiled):
     one = subprocess.run([sys.executable, "-m", "clover", "train", "--out", str(tmp_path / "one"), *args],
                          capture_output=True, text=True, timeout=900)
     assert one.returncode == 0, one.stderr
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+    # (--standalone: a free port of its own; a fixed one let two test runs at once meet in one rendezvous)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     two = subprocess.run([*torchrun, "-m", "clover", "train", "--out", str(tmp_path / "two"), *args],
                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, two.stderr[-2000:]
