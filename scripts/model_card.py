@@ -131,6 +131,9 @@ def main() -> None:
     other = [t for t in base.get("other_steps", []) if t["step"] not in {o["step"] for o in other}] + other
     bpb_ar, bpb_final = load("eval_bpb_ar.json") or base.get("ar_parent_bpb"), load("eval_bpb_final.json")
     match, tasks = load("eval_match.json"), load("eval_tasks.json")
+    if tasks and tasks.get("split", "test") != "test":   # (the card says test seeds: a development run is not one)
+        raise SystemExit(f"{runs / 'eval_tasks.json'} holds validation-seed runs (`clover eval tasks --split "
+                         f"{tasks['split']}`); the card gives test seeds: run it without --split")
     bench = load("bench_train.json") or base.get("bench_train")
     copy_ar, copy_final = load("eval_copy_ar.json") or base.get("ar_parent_copy"), load("eval_copy_final.json")
     turns, turns_held = load("eval_turns_final.json"), load("eval_turns_grammar.json")
@@ -155,6 +158,10 @@ def main() -> None:
         made = (report / "weights.txt").read_text().strip() if (report / "weights.txt").is_file() else None
         _refuse_unless_for(digest, made, f"the agent report {report}", "run `scripts/agent_reports.sh agent` with them "
                            "first, or pass a report directory that does not exist to leave the section out")
+        meta = json.loads((report / "metadata.json").read_text()) if (report / "metadata.json").is_file() else {}
+        if meta.get("split", "test") != "test":
+            raise SystemExit(f"the agent report {report} ran on {meta['split']} seeds (`clover eval agent --split`); "
+                             "the card gives test seeds: run it without --split")
         agent = _agent_rows(report)
     config = json.loads((model_dir / "config.json").read_text())
     from clover.model.config import CloverConfig

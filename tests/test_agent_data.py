@@ -3,6 +3,7 @@
 import json
 import re
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -279,3 +280,19 @@ def test_earlier_exchanges_come_from_the_conversations_own_split(monkeypatch):
         A.training_tasks(split, 120)
         start = synthetic.SPLIT_SEEDS[split]
         assert len(drawn) > 10 and all(start <= s < start + synthetic.SPLIT_SPAN for s in drawn), split
+
+
+def test_data_build_hands_its_ledger_share_to_the_corpus(tmp_path, monkeypatch):
+    import clover.cli.train as train_cli
+    from clover.cli.commands import main as cli_main
+
+    seen: dict = {}
+
+    def corpus(out, *args, **kwargs):
+        seen.update(kwargs)
+        raise OSError("stopped here")
+
+    monkeypatch.setattr(train_cli, "build_corpus", corpus)
+    shipped = str(Path(A.__file__).resolve().parents[1] / "weights" / "clover-tiny")
+    assert cli_main(["data", "build", "--out", str(tmp_path / "d"), "--tokenizer", shipped, "--recall-ledger", "0.5"]) == 1
+    assert seen["recall_ledger"] == 0.5

@@ -301,7 +301,7 @@ def test_killed_then_resumed_run_gives_the_same_summary(endpoint, tmp_path):
         cfg.runs = 1
         harness.run_harness(cfg, cut, resume=True)
     assert len((cut / "results.jsonl").read_text().splitlines()) == 80   # 5 suites x 4 tasks x 2 conditions x 2 runs
-    # a run written before `split` existed drew test seeds: it resumes as test, and not as a validation run
+    # a run written before `split` existed drew test seeds: it resumes as test
     meta = json.loads((cut / "metadata.json").read_text())
     (cut / "metadata.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "split"}))
     harness.run_harness(_cfg(url), cut, resume=True)
@@ -324,6 +324,7 @@ def test_a_validation_run_draws_validation_tasks_and_resumes_only_as_one(endpoin
     assert sorted({r["task"] for r in rows}) == sorted(t.id for s in ("tools", "memory")
                                                        for t in agent_suites.suite_tasks(s, 4, "val"))
     assert all(r["success"] for r in rows) and json.loads((tmp_path / "val" / "metadata.json").read_text())["split"] == "val"
+    assert "val seeds (`--split val`: not for reporting)" in (tmp_path / "val" / "report.md").read_text()
     with pytest.raises(ValueError, match="other split"):
         harness.run_harness(_cfg(url, suites=("tools", "memory")), tmp_path / "val", resume=True)
     with pytest.raises(ValueError, match="unknown split 'dev'"):
@@ -432,6 +433,18 @@ def test_eval_tasks_to_a_stream_keeps_its_task_runs_in_a_temporary_directory(tmp
     assert cli_main(["eval", "tasks", "--model", str(model), "--count", "1", "--thinking", "off", "--max-tokens", "4",
                      "--step-limit", "1", "--algorithm", "ar", "--out", os.devnull]) == 0
     assert set(os.listdir("/dev")) == before
+
+
+def test_eval_tasks_on_validation_seeds_says_so(tmp_path):
+    model = tmp_path / "m"
+    assert cli_main(["init", str(model), "--preset", "debug", "--seed", "1"]) == 0
+    out = tmp_path / "tasks.json"
+    assert cli_main(["eval", "tasks", "--model", str(model), "--count", "2", "--thinking", "off", "--max-tokens", "4",
+                     "--step-limit", "1", "--algorithm", "ar", "--split", "val", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["split"] == "val" and [o["seed"] for o in result["runs"][0]["outcomes"]] == [
+        synthetic.SPLIT_SEEDS["val"], synthetic.SPLIT_SEEDS["val"] + 1]
+    assert json.loads((tmp_path / "tasks.json.runs" / "thinking-off" / "metadata.json").read_text())["split"] == "val"
 
 
 def test_eval_agent_that_measured_nothing_exits_non_zero(endpoint, tmp_path, capsys):

@@ -99,3 +99,23 @@ def test_the_card_gives_the_code_figure_without_test_documents_copied_from_train
     card = _card(runs, model)
     assert ("The release: 15.155% below, met. Without the 4 test documents that are near-copies of a training "
             "document (9.1% of the bytes): 1.574 against xz -9's 1.801, 12.6% below.") in card
+
+
+def test_validation_seed_results_are_refused(tmp_path):
+    """The card gives test seeds: `clover eval tasks --split val` or an agent report run with `--split val` (a
+    recipe's development figures) must not be published as the model's (found by a review, session 59)."""
+    model, runs = tmp_path / "model", tmp_path / "runs"
+    runs.mkdir()
+    shutil.copytree(SHIPPED, model)
+    report = tmp_path / "report"
+    shutil.copytree(ROOT / "reports" / "agent-clover-tiny", report)
+    meta = json.loads((report / "metadata.json").read_text())
+    cmd = [sys.executable, str(ROOT / "scripts" / "model_card.py"), str(runs), str(model), str(report),
+           str(runs / "no-sweep.json")]
+    (report / "metadata.json").write_text(json.dumps({**meta, "split": "val"}))
+    card = subprocess.run(cmd, capture_output=True, text=True)
+    assert card.returncode != 0 and "ran on val seeds" in card.stderr, card.stderr
+    (report / "metadata.json").write_text(json.dumps({**meta, "split": "test"}))
+    (runs / "eval_tasks.json").write_text(json.dumps({"evaluation": "agent_tasks", "split": "val", "runs": []}))
+    card = subprocess.run(cmd, capture_output=True, text=True)
+    assert card.returncode != 0 and "holds validation-seed runs" in card.stderr, card.stderr

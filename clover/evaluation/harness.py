@@ -557,7 +557,8 @@ def write_report(out: Path, cfg: HarnessConfig, summary: dict, results: list[dic
     k, f = cfg.runs, _fmt
     eps = ", ".join(f"`{e.name}` ({e.url}, model `{e.model}`)" for e in cfg.endpoints)
     suites = ", ".join(f"{s} ({len({r['task'] for r in results if r['suite'] == s})} tasks)" for s in cfg.suites)
-    lines = ["# Agent evaluation report", "", f"Endpoints: {eps}. Suites: {suites}; "
+    seeds = "test seeds" if cfg.split == "test" else f"{cfg.split} seeds (`--split {cfg.split}`: not for reporting)"
+    lines = ["# Agent evaluation report", "", f"Endpoints: {eps}. Suites: {suites}, {seeds}; "
              f"{cfg.runs} run(s) per task and condition, step limit "
              f"{cfg.step_limit}, max_tokens {cfg.max_tokens}, thinking {'on' if cfg.thinking else 'off'}, temperature 0. "
              "Conditions and machine: `metadata.json`; every step of every task run: `tasks/`.", "",

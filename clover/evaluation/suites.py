@@ -18,6 +18,9 @@ messages, the assistant turns of a correct solution (what a scripted oracle endp
                problem's tests on the completed function (in its own process, as the package's harness
                does: unlike `coding`'s out-of-process judge, a return value equal to everything passes).
 
+Every suite but `humaneval` is seeded: test seeds by default, validation seeds with `split="val"` (`--split val`),
+the same ranges shifted into the validation split, to develop a recipe on without the test tasks.
+
 Model-written code runs only through `clover.evaluation.sandbox` (subprocess, time and memory limits, the
 task's temporary directory).
 """
@@ -41,11 +44,10 @@ MEMORY_STEPS = (2, 8, 32)
 # recipe may be developed on); `synthetic` from the start of the split, the others from 500,000 further on,
 # seeds the model card's evaluation (`clover eval tasks`) does not use
 SPLITS = ("test", "val")
-SEED_BASE = synthetic.SPLIT_SEEDS["test"] + 500_000
 
 
 def seed_base(split: str) -> int:
-    """Where the tools, memory, heldout and coding suites' seeds start in `split` (test: SEED_BASE)."""
+    """Where the tools, memory, heldout and coding suites' seeds start in `split`."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
     return synthetic.SPLIT_SEEDS[split] + 500_000
