@@ -799,7 +799,7 @@ def test_one_task_runs_failure_is_its_own_and_the_run_goes_on(tmp_path, monkeypa
             "check": _probe_env(check=lambda answer: {}["x"]), "bug": _probe_env(call=lambda name, args: len(None))}
     tasks = [dataclasses.replace(_probe_task(env), id=q, prompt=[{"role": "user", "content": q}])
              for q, env in envs.items()]
-    monkeypatch.setattr(harness, "suite_tasks", lambda suite, count: tasks)
+    monkeypatch.setattr(harness, "suite_tasks", lambda suite, count, split: tasks)
     replies = {"garbage": lambda n: ["data: null\n\n"], "tool": _call_then_answer(),
                "deep": _call_then_answer('{"a": ' + "[" * 100_000), "check": lambda n: [_sse({"content": "42"}, "stop")],
                "bug": _call_then_answer()}
