@@ -2,7 +2,7 @@
 passes the task's own check (seeds are disjoint; the templates' space is small). Suites: the harness's synthetic
 ones (`synthetic` is `clover eval tasks`' set; tools, memory and heldout the agent reports').
 
-    python scripts/task_overlap.py [--data data] [--suite synthetic] [--count 100]
+    python scripts/task_overlap.py [--data data] [--suite synthetic] [--count 100] [--split test|val]
 
 Prints the counts by family, then one JSON line.
 """
@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--data", default="data", help="directory from `clover data build`")
     ap.add_argument("--suite", default="synthetic", choices=["synthetic", "tools", "memory", "heldout"])
     ap.add_argument("--count", type=int, default=100, help="the suite's first COUNT tasks")
+    ap.add_argument("--split", default="test", choices=["test", "val"], help="the suite's seeds (`clover eval agent --split`)")
     a = ap.parse_args()
     answers: dict[str, set[str]] = collections.defaultdict(set)   # a user message -> the final answers after it
     with open(Path(a.data) / "raw" / "train" / "chat.jsonl") as f:
@@ -37,7 +38,7 @@ def main() -> None:
                 if final:
                     answers[messages[i]["content"].strip()].add((final[-1].get("content") or "").strip())
     seen, total = collections.Counter(), collections.Counter()
-    for task in suite_tasks(a.suite, a.count):
+    for task in suite_tasks(a.suite, a.count, a.split):
         family = task.id.split("-")[1]
         question = [m for m in task.prompt if m["role"] == "user"][-1]["content"].strip()
         check = task.open().check
@@ -45,7 +46,7 @@ def main() -> None:
         seen[family] += any(check(x) for x in answers.get(question, ()))
     for family in total:
         print(f"{family:8s} {seen[family]} of {total[family]}")
-    print(json.dumps({"data": a.data, "suite": a.suite, "count": a.count, "seen": dict(seen), "total": dict(total)}))
+    print(json.dumps({"data": a.data, "suite": a.suite, "count": a.count, "split": a.split, "seen": dict(seen), "total": dict(total)}))
 
 
 if __name__ == "__main__":
