@@ -41,7 +41,7 @@ from clover.evaluation.client import (
     list_models,
     stream_chat,
 )
-from clover.evaluation.suites import Environment, HarnessTask, check_suite, seed_base, suite_tasks
+from clover.evaluation.suites import Environment, HarnessTask, check_split, check_suite, suite_tasks
 from clover.model.files import json_lines, read_text, write_text_atomic
 
 REASONS = ("success", "wrong_answer", "step_limit", "timeout", "invalid_tool_call", "model_error",
@@ -96,7 +96,7 @@ class HarnessConfig:
             raise ValueError("endpoint names must differ; label them with name=URL")
         if not self.infra_backoff_s >= 0:
             raise ValueError("the retry backoff must be a number of seconds >= 0")
-        seed_base(self.split)   # (a ValueError naming the splits)
+        check_split(self.split)
         self.suites = tuple(dict.fromkeys(self.suites))   # (`--suite tools,tools` would run each task twice as often)
         if self.runs < 1 or (self.tasks_per_suite is not None and self.tasks_per_suite < 1) or self.step_limit < 1:
             raise ValueError("runs, tasks per suite and the step limit must be at least 1")

@@ -46,10 +46,14 @@ MEMORY_STEPS = (2, 8, 32)
 SPLITS = ("test", "val")
 
 
-def seed_base(split: str) -> int:
-    """Where the tools, memory, heldout and coding suites' seeds start in `split`."""
+def check_split(split: str) -> None:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+
+
+def seed_base(split: str) -> int:
+    """Where the tools, memory, heldout and coding suites' seeds start in `split`."""
+    check_split(split)
     return synthetic.SPLIT_SEEDS[split] + 500_000
 
 
@@ -120,7 +124,7 @@ class SyntheticSuite:
     default_count = 100
 
     def tasks(self, count: int, split: str = "test") -> list[HarnessTask]:
-        seed_base(split)
+        check_split(split)   # (synthetic.tasks would take "train" too)
         return [_synthetic_task(f"synthetic-{t.family}-{t.seed}", self.name, t) for t in synthetic.tasks(split, count)]
 
 

@@ -327,8 +327,7 @@ def _recall(rng: random.Random, b: _Builder, steps: int | None = None, ledger: b
     b.user(f"Add these numbers one at a time with the calculator: {', '.join(map(str, nums))}.")
     total = str(nums[0])
     for i, x in enumerate(nums[1:], 2):
-        left = ", ".join(map(str, nums[i:])) or "none"
-        said = f"Adding {x}; left after it: {left}." if ledger else ""
+        said = f"Adding {x}; left after it: {', '.join(map(str, nums[i:])) or 'none'}." if ledger else ""
         total = b.act(f"Add {x} to {total}.", "calculator", said, expression=f"{total} + {x}")
     text = f"The total is {total}. {marker}" if check_word else f"The total is {total} ({marker})."
     b.answer(f"The total is {total}; the system asks me to include {marker}.", text)
