@@ -330,6 +330,23 @@ def test_eval_runs_in_the_dtype_asked_for_and_reports_it(tmp_path, capsys, monke
         assert seen.pop() == dtype and json.loads(capsys.readouterr().out)["dtype"] == str(dtype).removeprefix("torch.")
 
 
+def test_eval_turns_same_as_must_be_of_the_same_conversations(tmp_path, capsys, monkeypatch):
+    """`clover eval turns --same-as` compares two runs' replies turn by turn: a file of other conversations (or
+    not a turns result) is refused when the command starts, before the model loads and minutes of decoding."""
+    from clover.model import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_for_generation", lambda *a: pytest.fail("the model was loaded"))
+    earlier = tmp_path / "ar.json"
+    earlier.write_text(json.dumps({"evaluation": "turn_accuracy", "conversations": 60, "split": "val",
+                                   "pool": "train", "replies": []}))
+    assert cli_main(["eval", "turns", "--count", "30", "--same-as", str(earlier)]) == 2
+    assert "is of other conversations" in capsys.readouterr().err
+    earlier.write_text(json.dumps({"evaluation": "bits_per_byte"}))
+    with pytest.raises(SystemExit):
+        cli_main(["eval", "turns", "--same-as", str(earlier)])
+    assert "is not a `clover eval turns --out` result" in capsys.readouterr().err
+
+
 def test_result_files_may_be_streams(tmp_path):
     """`--out /dev/stdout` or a pipe: taken by the check and written as a stream (not by a rename beside it)."""
     import argparse
@@ -375,6 +392,8 @@ def test_operating_system_errors_read_as_path_and_reason():
     (["eval", "match", "--data", "d", "--thresholds", "0.9,nan"], "argument --thresholds"),
     (["eval", "copy", "--count", "0"], "argument --count"),
     (["eval", "tasks", "--threshold", "5"], "argument --threshold: must be a number between 0 and 1, got 5"),
+    (["eval", "turns", "--threshold", "1.5"], "argument --threshold"),
+    (["eval", "turns", "--same-as", "/nonexistent/t.json"], "argument --same-as: cannot read /nonexistent/t.json as JSON"),
     (["eval", "agent", "--endpoint", "http://a/v1", "--model", "m", "--out", "o", "--condition", "{x: 1}"],
      "argument --condition: is not valid JSON"),
     (["bench", "serve", "--endpoint", "http://a/v1", "--extra-body", "[1]"], "argument --extra-body"),

@@ -205,13 +205,17 @@ def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeyp
     from clover.model.tokenizer import IM_END
     from clover.training.agent_data import training_tasks
 
-    seen, calls, bad = [], [0], [0]
+    from clover.engine.sampling import SamplingParams
+    from clover.engine.sequence import GenerationStats
+
+    seen, calls, bad, asked = [], [0], [0], []
 
     class Echo:
         def __init__(self, model, tokenizer, max_batch_size):
             pass
 
         def generate(self, prompts, params):
+            asked.extend(params)
             out = []
             for k, p in enumerate(prompts):
                 text = tok.decode(p)
@@ -226,7 +230,8 @@ def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeyp
                         if "<function=" in reply else "wrong" + IM_END
                     bad[0] += reply.count("<function=")
                 calls[0] += reply.count("<function=")
-                out.append(type("R", (), {"text": reply})())
+                stats = GenerationStats(generated_tokens=3, preview_forwards=1, commit_forwards=k % 2)
+                out.append(type("R", (), {"text": reply, "stats": stats})())
             return out
 
     tasks = training_tasks("val", 6, pool)
@@ -238,6 +243,20 @@ def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeyp
     assert got["exact"] == (len(turns) + 1) // 2 / len(turns)
     assert got["tool_calls"] == calls[0] and bad[0] > 0 and got["unknown_tool"] == bad[0] / calls[0]
     assert sum(f["turns"] for f in got["by_family"].values()) == len(turns)
+    assert {(p.algorithm, p.max_new_tokens) for p in asked} == {("ar", 160)}
+    # 3 tokens a turn; one forward for even turns, two for odd ones
+    assert got["tpf"] == pytest.approx(3 * len(turns) / (len(turns) + len(turns) // 2))
+    # another decoder: its settings reach the engine and the result; same_turns compares the replies written
+    seen.clear(), asked.clear()
+    lc = scores.turn_accuracy(None, tok, count=6, split="val", pool=pool, max_new_tokens=40,
+                              decoder=SamplingParams(algorithm="low_confidence", block_size=8, threshold=0.9))
+    assert {(p.algorithm, p.block_size, p.threshold, p.max_new_tokens) for p in asked} == {("low_confidence", 8, 0.9, 40)}
+    assert lc["decoder"] == {"algorithm": "low_confidence", "block_size": 8, "threshold": 0.9}
+    assert scores.same_turns(got, lc) == 1.0
+    lc["replies"] = ["x"] * (len(turns) - 2) + lc["replies"][-2:]
+    assert scores.same_turns(got, lc) == 2 / len(turns)
+    with pytest.raises(ValueError, match="not of the same conversations"):
+        scores.same_turns(got, {**lc, "pool": "other"})
 
 
 def test_repeat_accuracy_scores_the_second_copy_after_its_first_token(tok):

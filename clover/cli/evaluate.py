@@ -21,7 +21,7 @@ from clover.cli.options import (
     threshold,
     thresholds,
 )
-from clover.engine.sampling import ALGORITHMS
+from clover.engine.sampling import ALGORITHMS, SamplingParams
 from clover.model.files import check_replaceable, write_text_atomic
 
 if TYPE_CHECKING:
@@ -65,6 +65,17 @@ def cmd_eval_agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def turns_result(text: str) -> tuple[str, dict]:
+    """(path, result): an earlier `clover eval turns --out` file, whose replies a new run is compared with."""
+    try:
+        value = json.loads(Path(text).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text} as JSON ({exc})") from None
+    if not isinstance(value, dict) or value.get("evaluation") != "turn_accuracy" or not isinstance(value.get("replies"), list):
+        raise argparse.ArgumentTypeError(f"{text} is not a `clover eval turns --out` result with its replies")
+    return text, value
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from clover.model.checkpoint import load_for_generation
     from clover.training import scores
@@ -72,6 +83,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.eval_command in ("bpb", "match"):
         require_data(args.data)
+    if args.eval_command == "turns" and args.same_as:   # before minutes of decoding: the same conversations?
+        asked = {"conversations": args.count, "split": args.split, "pool": args.pool}
+        found = {k: args.same_as[1].get(k) for k in asked}
+        if found != asked:
+            print(f"clover eval turns: error: --same-as {args.same_as[0]} is of other conversations ({found}; "
+                  f"this run: {asked})", file=sys.stderr)
+            return 2
     loaded = load_for_generation(args.model, args.dtype, "cpu")
     model, tok = loaded.model, loaded.tokenizer
     if args.eval_command == "bpb":
@@ -82,9 +100,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = {"evaluation": "copy_accuracy", **scores.copy_accuracy(model, tok, args.count, args.split),
                   "repeats": scores.repeat_accuracy(model, tok)}
     elif args.eval_command == "turns":
+        decoder = SamplingParams(algorithm=args.algorithm, block_size=args.block_size, threshold=args.threshold)
         result = {"evaluation": "turn_accuracy",
                   **scores.turn_accuracy(model, tok, args.count, args.split, pool=args.pool,
-                                         tool_grammar=args.tool_grammar)}
+                                         tool_grammar=args.tool_grammar, decoder=decoder)}
+        if args.same_as:
+            path, earlier = args.same_as
+            result["same_as"] = {"file": path, "share": scores.same_turns(result, earlier)}
     elif args.eval_command == "match":
         result = {"evaluation": "continuation_match", **scores.continuation_match(
             model, tok, args.data, args.prompts, args.new_tokens, args.thresholds,
@@ -95,7 +117,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result["dtype"] = str(model.dtype).removeprefix("torch.")
     if args.out:
         write_text_atomic(args.out, json.dumps(result, indent=2) + "\n")   # its presence says the step is done
-    summary = {k: v for k, v in result.items() if k != "runs"}
+    summary = {k: v for k, v in result.items() if k not in ("runs", "replies")}   # (replies: in --out only)
     if "runs" in result:
         summary["runs"] = [{k: v for k, v in r.items() if k != "outcomes"} for r in result["runs"]]
     print(json.dumps(summary))
@@ -251,7 +273,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                            ("copy", "held-out agent conversations, teacher-forced: next-token accuracy on the "
                                     "assistant's tokens, numbers copied from the conversation apart"),
                            ("turns", "agent conversations (validation seeds by default), each assistant turn after the "
-                                     "last user message generated greedily by ar from the conversation before it: exact-match rate"),
+                                     "last user message generated greedily (ar, or --algorithm) from the conversation before it: exact-match rate"),
                            ("tasks", "held-out synthetic agent tasks: the harness (suite synthetic) against the model served "
                                      "in process")):
         e = esub.add_parser(name, help=helptext, description=helptext + ".")
@@ -285,6 +307,14 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
             e.add_argument("--tool-grammar", action="store_true",
                            help="hold each call a turn opens to the offered tools and their schemas, as `clover serve` "
                                 "does by default (off: the model's own calls)")
+            e.add_argument("--algorithm", default="ar", choices=list(ALGORITHMS),
+                           help="the decoder that writes the turns (default ar)")
+            e.add_argument("--block-size", type=positive_int, help="(block decoders; default: the model's)")
+            e.add_argument("--threshold", type=threshold, default=0.95,
+                           help="confidence threshold of low_confidence (default 0.95)")
+            e.add_argument("--same-as", type=turns_result, metavar="JSON",
+                           help="an earlier `clover eval turns --out` of the same conversations (another decoder or "
+                                "model): also report the share of turns written alike")
         else:
             e.add_argument("--count", type=positive_int, default=100)
             e.add_argument("--step-limit", type=positive_int, default=12)

@@ -401,8 +401,10 @@ def repeat_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 40, s
 
 @torch.inference_mode()
 def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, split: str = "val",
-                  max_new_tokens: int = 160, batch: int = 16, pool: str = "train", tool_grammar: bool = False) -> dict:
-    """Exact-match rate of greedy `ar` assistant turns on `count` agent conversations of `split`
+                  max_new_tokens: int = 160, batch: int = 16, pool: str = "train", tool_grammar: bool = False,
+                  decoder: SamplingParams | None = None) -> dict:
+    """Exact-match rate of greedy assistant turns (`decoder`'s algorithm, block size and threshold; default
+    `ar`) on `count` agent conversations of `split`
     (`clover.training.agent_data`, as `clover data build` writes them): every assistant turn after the
     last user message, generated from the conversation before it (earlier turns are the reference's),
     compared as text up to the end of the turn; overall and by task family. `pool` "heldout": the
@@ -411,7 +413,9 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     seeds the conversations too (other tasks, not the same ones renamed): compare checkpoints within a pool.
     Also `tool_calls` (calls written, complete ones) and `unknown_tool`: the share of them naming a tool the
     conversation does not offer (0 when none is written). `tool_grammar`: each reply with tools under the lazy
-    grammar `clover serve` applies by default (`auto_tool_calls`), so every call it opens names an offered tool."""
+    grammar `clover serve` applies by default (`auto_tool_calls`), so every call it opens names an offered tool.
+    Also `tpf` (tokens per forward over all turns) and, per turn, the text written (`replies`), so that two
+    decoders' turns can be compared with each other (`same_turns`)."""
     from clover.engine.structured import auto_tool_calls
     from clover.training.agent_data import training_tasks
     from clover.training.data import assistant_turns
@@ -425,14 +429,16 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
             families.append(task.family)
             contexts.append((thinking, task.tools))
     t0 = time.perf_counter()
-    plain = SamplingParams(max_new_tokens=max_new_tokens, algorithm="ar")
+    plain = (decoder or SamplingParams(algorithm="ar")).with_(max_new_tokens=max_new_tokens)
     params = [plain.with_(constraint=auto_tool_calls(tools, tok, thinking)) if tool_grammar and tools else plain
               for thinking, tools in contexts]
     outs = Engine(model, tokenizer=tok, max_batch_size=batch).generate(prompts, params)
     by_family: dict[str, list[bool]] = {}
     calls = unknown = 0
+    replies = []
     for out, ref, family, (thinking, tools) in zip(outs, refs, families, contexts, strict=True):
         text = out.text.split(IM_END)[0]
+        replies.append(text.strip())
         by_family.setdefault(family, []).append(text.strip() == ref)
         # the calls written, and those naming a tool the conversation does not offer (any, where it offers none)
         parsed = parse_output(text, thinking, tools or None)
@@ -442,4 +448,14 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     right = [ok for oks in by_family.values() for ok in oks]
     return {"conversations": count, "split": split, "pool": pool, "tool_grammar": tool_grammar, "turns": len(right), "exact": sum(right) / max(len(right), 1),
             "by_family": {f: {"exact": sum(v) / len(v), "turns": len(v)} for f, v in sorted(by_family.items())},
-            "tool_calls": calls, "unknown_tool": unknown / max(calls, 1), "wall_s": time.perf_counter() - t0}
+            "tool_calls": calls, "unknown_tool": unknown / max(calls, 1), "wall_s": time.perf_counter() - t0,
+            "decoder": {"algorithm": plain.algorithm, "block_size": plain.block_size, "threshold": plain.threshold},
+            "tpf": sum(o.stats.generated_tokens for o in outs) / max(sum(o.stats.nfe for o in outs), 1),
+            "replies": replies}
+
+
+def same_turns(a: dict, b: dict) -> float:
+    """The share of turns two `turn_accuracy` results (the same conversations, two decoders) wrote alike."""
+    if (a["conversations"], a["split"], a["pool"], a["turns"]) != (b["conversations"], b["split"], b["pool"], b["turns"]):
+        raise ValueError("the two results are not of the same conversations")
+    return sum(x == y for x, y in zip(a["replies"], b["replies"], strict=True)) / max(a["turns"], 1)
