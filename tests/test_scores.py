@@ -202,11 +202,10 @@ def test_turn_accuracy_scores_each_turn_after_the_last_user_message(tok, monkeyp
     calls one: those calls, and only those, count as unknown."""
     import re
 
-    from clover.model.tokenizer import IM_END
-    from clover.training.agent_data import training_tasks
-
     from clover.engine.sampling import SamplingParams
     from clover.engine.sequence import GenerationStats
+    from clover.model.tokenizer import IM_END
+    from clover.training.agent_data import training_tasks
 
     seen, calls, bad, asked = [], [0], [0], []
 
