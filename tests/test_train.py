@@ -194,6 +194,77 @@ def test_certainty_forcing_adds_the_entropy_of_right_guesses_and_training_lowers
         ObjectiveConfig("diffusion", certainty_weight=-1.0).validate()
 
 
+def test_eos_tails_fill_a_block_after_a_reply_ends_unless_another_reply_starts_in_it():
+    """Block 8, end-of-turn token E = 2: after a reply's eligible E, the rest of its block (its own new line
+    included) gets E; a block where the next reply starts, an E in the block's last slot, an E that is not
+    eligible (a packing separator) and positions past the row's length get nothing."""
+    from clover.training.objectives import eos_tails
+
+    E, NL = 2, 9
+    ids = torch.tensor([[5, 5, 5, 7, 7, E, NL, 5, 5, 5, 5, 5, 5, 5, 7, E],     # a reply ending at 5, another at 15
+                        [5, 5, 7, E, NL, 5, 7, 7, 0, 5, 5, 5, 5, 5, 5, 5],      # the next reply starts at 6, same block
+                        [5, 7, E, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]])      # length 5: the tail stops there
+    eligible = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1],
+                             [0, 0, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+                             [0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    lengths = torch.tensor([16, 16, 5])
+    got = eos_tails(ids, eligible, lengths, 8, frozenset({0, E}))
+    want = torch.full_like(ids, -1)
+    want[0, 6:8] = E
+    want[2, 3:5] = E
+    assert torch.equal(got, want)
+    want = torch.full_like(ids, -1)   # blocks of 4: row 1's E at 3 is its block's last slot
+    want[0, 6:8] = E
+    want[2, 3] = E
+    assert torch.equal(eos_tails(ids, eligible, lengths, 4, frozenset({E})), want)
+
+
+def test_eos_fill_trains_the_noisy_stream_on_the_tail_and_leaves_the_rest(data_dir):
+    """compute_loss with tails: the noisy stream's input and targets are the tail's token there (those positions
+    noised and counted like eligible ones), the clean stream and the AR loss keep the row; checked against a
+    direct computation from the model; no tail gives exactly the plain loss."""
+    from clover.training.objectives import eos_tails
+
+    model, batch = _fixed_batch(data_dir, sft=True)
+    tok = Tokenizer.load(data_dir / "tokenizer")
+    valid = torch.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]
+    eligible = batch.loss_mask & valid
+    tails = eos_tails(batch.ids, eligible, batch.lengths, 8, frozenset(tok.eos_token_ids))
+    assert (tails >= 0).sum() > 4 and (eligible & (tails >= 0)).any()   # (the reply's own new line after its end)
+    noised = eligible | (tails >= 0)
+    cfg = ObjectiveConfig("diffusion", ar_loss_weight=0.5, eos_fill=True)
+    noises = sample_noise(noised, 8, cfg, torch.Generator().manual_seed(0))
+    masked = noises[0].masked
+    assert (masked & (tails >= 0)).sum() > 0
+    den = {"tokens": float(noised.sum()), "ar_targets": float(eligible[:, 1:].sum()), "rows": 4.0}
+    model.config.router_aux_loss_coef = 0.0
+    with torch.no_grad():
+        loss, sums = compute_loss(model, batch.ids, eligible, batch.lengths, cfg, noises, den, tails)
+        x0 = torch.where(tails >= 0, tails, batch.ids)
+        noisy = torch.where(masked, torch.full_like(x0, model.config.mask_token_id), x0)
+        out = model.training_forward(batch.ids, noisy, batch.lengths, output="logits")
+        ce = torch.nn.functional.cross_entropy(out.noisy[masked].float(), x0[masked], reduction="none")
+        elbo = float((ce / noises[0].t[masked]).sum()) / den["tokens"]
+        ar = torch.nn.functional.cross_entropy(out.clean[:, :-1][eligible[:, 1:]].float(), batch.ids[:, 1:][eligible[:, 1:]],
+                                               reduction="sum")
+        assert float(loss) == pytest.approx(elbo + 0.5 * float(ar) / den["ar_targets"], rel=1e-4)
+        assert sums["tokens"] == int(noised.sum()) and sums["ar_targets"] == int(eligible[:, 1:].sum())
+        none = torch.full_like(tails, -1)
+        plain = compute_loss(model, batch.ids, eligible, batch.lengths, cfg, noises, den)[0]
+        assert float(compute_loss(model, batch.ids, eligible, batch.lengths, cfg, noises, den, none)[0]) == float(plain)
+    with pytest.raises(ValueError, match="only apply to the diffusion objective"):
+        ObjectiveConfig("ar", eos_fill=True).validate()
+
+
+def test_eos_fill_needs_sft_and_reaches_the_trainer(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="eos_fill trains the positions after a reply's end: it needs sft"):
+        _cfg(data_dir, tmp_path / "x", objective="diffusion", eos_fill=True).validate()
+    run = tmp_path / "run"
+    train(_cfg(data_dir, run, steps=2, eval_every=2, save_every=2, objective="diffusion", sft=True, eos_fill=True,
+               mix="chat=1.0", seq_len=640, batch_size=2))
+    assert json.loads((run / "train_config.json").read_text())["eos_fill"] is True
+
+
 def test_certainty_weight_reaches_the_trainer_and_its_log(data_dir, tmp_path):
     run = tmp_path / "run"
     train(_cfg(data_dir, run, steps=2, eval_every=2, save_every=2, objective="diffusion", certainty_weight=1.0))

@@ -209,6 +209,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                            help="torch.compile the model's training forward (the first step compiles for minutes on "
                                 "2 cores; then ~1.07x the tokens/s of AR and ~1.15-1.25x of block diffusion at 8 x 512 "
                                 "and SFT at 4 x 1,024 on 2 AVX2 cores; may differ between sittings of a run)")
+        elif f.name == "eos_fill":
+            p.add_argument(flag, action="store_true", default=None,
+                           help="diffusion SFT: the noisy stream learns the end-of-turn token at the positions after a "
+                                "reply's end up to its block's end, as the decoder fills them (off: those positions "
+                                "hold the next turn, never masked)")
         elif isinstance(default, bool):
             p.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
         elif f.name == "aux_loss_coef":

@@ -8,7 +8,10 @@ stream, the router load-balancing loss, complementary masking (a second noisy co
 complement mask, so every token is scored), and certainty forcing (in the spirit of dParallel: the
 entropy of the noisy stream's prediction at masked positions it already predicts right, so that
 right guesses become confident enough to commit in parallel; weighted by `certainty_weight`,
-normalised like the ELBO by the eligible tokens). SFT is the same with only assistant tokens eligible.
+normalised like the ELBO by the eligible tokens). SFT is the same with only assistant tokens eligible;
+with `eos_fill`, the noisy stream also learns the end-of-turn token at the positions after a reply's end
+up to its block's end (`eos_tails`), where the decoder fills the block with it, instead of never seeing
+them masked (LLaDA pads its SFT replies with |EOS| for the same reason).
 
 All reductions are sums over the rows given, divided by a denominator computed from the whole
 global batch, so that data-parallel ranks add up to exactly the single-process loss.
@@ -36,6 +39,7 @@ class ObjectiveConfig:
     eps: float = 1e-3
     aux_loss_coef: float | None = None  # None: the model config's router_aux_loss_coef
     certainty_weight: float = 0.0     # diffusion: weight of the entropy at right-predicted masked positions
+    eos_fill: bool = False            # diffusion SFT: the noisy stream learns end-of-turn after a reply's end (eos_tails)
 
     def validate(self) -> None:
         if self.kind not in ("ar", "diffusion"):
@@ -52,7 +56,7 @@ class ObjectiveConfig:
         if self.kind == "ar":   # settings of the diffusion loss would be ignored without a word
             plain = ObjectiveConfig()
             unused = [name for name in ("ar_loss_weight", "loss_weighting", "complementary", "mask_mode", "eps",
-                                        "certainty_weight") if getattr(self, name) != getattr(plain, name)]
+                                        "certainty_weight", "eos_fill") if getattr(self, name) != getattr(plain, name)]
             if unused:
                 raise ValueError(f"{', '.join(unused)} only apply to the diffusion objective (--objective diffusion)")
 
@@ -82,6 +86,28 @@ def sample_noise(eligible: torch.Tensor, block_size: int, cfg: ObjectiveConfig, 
     if cfg.complementary:
         noises.append(Noise(eligible & ~masked, (1 - t_pos).clamp(min=cfg.eps)))
     return noises
+
+
+def eos_tails(ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor, block_size: int,
+              eos_ids: set[int] | frozenset[int]) -> torch.Tensor:
+    """[N,T] long, -1 but at the positions after each reply's end: there the token that ended it (an eligible
+    end-of-sequence token), from the position after it to its block's end. At inference the decoder fills
+    the rest of a block with the token that ended the reply; in SFT rows those positions hold the next turn's
+    prompt, never masked (not eligible), so the noisy stream never learns to end a block there. The reply's
+    own tokens after its end token (the template's new line) are part of the tail. A block in which another
+    reply starts after the end is left as it is: that reply's prompt tokens must stay what they are."""
+    out = torch.full_like(ids, -1)
+    for r in range(ids.shape[0]):
+        n = int(lengths[r])
+        row, ok = ids[r, :n].tolist(), eligible[r, :n].tolist()
+        for e in (i for i in range(n) if ok[i] and row[i] in eos_ids):
+            stop = min((e // block_size + 1) * block_size, n)
+            j = e + 1
+            while j < stop and ok[j]:   # the rest of this reply
+                j += 1
+            if e + 1 < stop and not any(ok[j:stop]):
+                out[r, e + 1: stop] = row[e]
+    return out
 
 
 LCE_CHUNK_ELEMENTS = 1 << 21   # logits per chunk of `linear_cross_entropy` (8 MiB in float32)
@@ -156,8 +182,11 @@ def _ar_sums(model: CloverForCausalLM, hidden: torch.Tensor, ids: torch.Tensor, 
 def compute_loss(
     model: CloverForCausalLM, ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor,
     cfg: ObjectiveConfig, noises: list[Noise] | None, denominators: dict[str, float],
+    tails: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss of these rows; `denominators` ("tokens", "ar_targets") come from the global batch.
+    """Loss of these rows; `denominators` ("tokens", "ar_targets") come from the global batch. `tails` (from
+    `eos_tails`, diffusion): where >= 0, the token the noisy stream learns there instead of `ids` (its masks,
+    and "tokens", count those positions as eligible); the clean stream and the AR loss keep `ids`.
 
     Returns (loss, sums): sums of the reported quantities over these rows, for the caller to
     add up across ranks and divide.
@@ -174,12 +203,14 @@ def compute_loss(
         return loss, sums
     mask_id = model.config.mask_token_id
     copies = len(noises)
-    noisy = torch.cat([torch.where(nz.masked, torch.full_like(ids, mask_id), ids) for nz in noises])
+    x0 = ids if tails is None else torch.where(tails >= 0, tails, ids)     # what the noisy stream reconstructs
+    noisy = torch.cat([torch.where(nz.masked, torch.full_like(ids, mask_id), x0) for nz in noises])
     clean = ids.repeat(copies, 1)
     out = model.training_forward(clean, noisy, lengths.repeat(copies), output="hidden")
     masked = torch.cat([nz.masked for nz in noises])
     t = torch.cat([nz.t for nz in noises])
-    targets = clean[masked]
+    targets = x0.repeat(copies, 1)[masked]
+    noised = eligible if tails is None else eligible | (tails >= 0)
     weight = 1.0 / t[masked] if cfg.loss_weighting == "elbo" else None
     if cfg.certainty_weight > 0:   # the certainty term reads the logits themselves
         logits = model.lm_head(out.noisy[masked]).float()                                      # [M,V]
@@ -189,7 +220,7 @@ def compute_loss(
         elbo_sum, ce = linear_cross_entropy(out.noisy[masked], model.lm_head.weight, targets, weight)
     loss = elbo_sum / max(denominators["tokens"] * copies, 1)
     sums = {"diffusion_loss_sum": float(elbo_sum.detach()), "masked_ce_sum": float(ce.detach().sum()), "masked": int(masked.sum()),
-            "tokens": int(eligible.sum()) * copies}
+            "tokens": int(noised.sum()) * copies}
     if cfg.certainty_weight > 0:
         right = logits.detach().argmax(-1) == targets                                            # [M]
         logp = F.log_softmax(logits[right], dim=-1)

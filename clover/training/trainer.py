@@ -32,7 +32,7 @@ from clover.model.files import json_lines, read_json, recover_directory, write_t
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import EOS_TOKEN, Tokenizer
 from clover.training.data import Batch, TokenData, check_kinds, require_data
-from clover.training.objectives import ObjectiveConfig, compute_loss, sample_noise
+from clover.training.objectives import ObjectiveConfig, compute_loss, eos_tails, sample_noise
 
 INIT_ONLY = ("gdn_gate_z", "gdn_dt_max")   # TrainConfig fields read only when random weights are made
 
@@ -70,13 +70,14 @@ class TrainConfig:
     mask_mode: str = "bernoulli"
     aux_loss_coef: float | None = None
     certainty_weight: float = 0.0
+    eos_fill: bool = False                     # diffusion SFT: the noisy stream learns end-of-turn after a reply's end
     twin_coupling: float = 0.0                 # space twins' embedding and head rows share this much of their gradients
     compile: bool = False                      # torch.compile the forward (speed only: may change on --resume)
 
     def objective_config(self) -> ObjectiveConfig:
         return ObjectiveConfig(self.objective, self.ar_loss_weight, self.loss_weighting, self.complementary,
                                self.mask_mode, aux_loss_coef=self.aux_loss_coef,
-                               certainty_weight=self.certainty_weight)
+                               certainty_weight=self.certainty_weight, eos_fill=self.eos_fill)
 
     def mix_weights(self) -> dict[str, float]:
         try:
@@ -117,6 +118,8 @@ class TrainConfig:
             raise ValueError(f"twin_coupling must be a finite number >= 0, got {self.twin_coupling}")
         if self.pack_whole and not self.pack:
             raise ValueError("pack_whole keeps packed conversations whole: it needs pack")
+        if self.eos_fill and not self.sft:   # (without SFT every position is eligible: no reply has an end)
+            raise ValueError("eos_fill trains the positions after a reply's end: it needs sft")
         check_gdn_init(self.gdn_gate_z, self.gdn_dt_max)
         if (self.gdn_gate_z or self.gdn_dt_max) and not self.init.startswith("preset:"):
             raise ValueError("gdn_gate_z and gdn_dt_max shape random weights: they need init preset:NAME, not the "
@@ -140,8 +143,8 @@ class _LossModule(nn.Module):
         self.model, self.objective = model, objective
 
     def forward(self, ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor, noises: list | None,
-                denominators: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
-        return compute_loss(self.model, ids, eligible, lengths, self.objective, noises, denominators)
+                denominators: dict[str, float], tails: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        return compute_loss(self.model, ids, eligible, lengths, self.objective, noises, denominators, tails)
 
 
 @dataclass
@@ -303,13 +306,16 @@ def _metrics(sums: dict[str, float]) -> dict[str, float]:
 
 
 def _run_batch(module: nn.Module, batch: Batch, cfg: TrainConfig, step: int, d: _Dist, block_size: int,
-               train: bool, autocast: torch.autocast | None) -> dict[str, float]:
-    """Forward (and backward when training) over this rank's share of a global batch."""
+               train: bool, autocast: torch.autocast | None, eos_ids: frozenset[int] = frozenset()) -> dict[str, float]:
+    """Forward (and backward when training) over this rank's share of a global batch. `eos_ids`: the tokens
+    that end a reply (for `eos_fill`)."""
     obj = cfg.objective_config()
     eligible = _eligible(batch, cfg.sft)
+    tails = eos_tails(batch.ids, eligible, batch.lengths, block_size, eos_ids) if obj.eos_fill else None
+    noised = eligible if tails is None else eligible | (tails >= 0)
     gen = torch.Generator().manual_seed((cfg.seed * 7_000_003 + step * 2 + (0 if train else 1)) % 2**62)
-    noises = sample_noise(eligible, block_size, obj, gen) if obj.kind == "diffusion" else None
-    denominators = {"tokens": float(eligible.sum()), "ar_targets": float(eligible[:, 1:].sum()),
+    noises = sample_noise(noised, block_size, obj, gen) if obj.kind == "diffusion" else None
+    denominators = {"tokens": float(noised.sum()), "ar_targets": float(eligible[:, 1:].sum()),
                     "rows": float(batch.ids.shape[0])}
     rows = torch.arange(d.rank, cfg.batch_size, d.world)  # this rank's rows of the global batch
     # (a rank with fewer rows than grad_accum has empty micro-batches: the gradients are all-reduced in the
@@ -323,7 +329,8 @@ def _run_batch(module: nn.Module, batch: Batch, cfg: TrainConfig, step: int, d: 
         with ctx, (autocast or nullcontext()):
             loss, sums = module(batch.ids[idx].to(d.device), eligible[idx].to(d.device), batch.lengths[idx].to(d.device),
                                 None if part_noise is None else [type(n)(n.masked.to(d.device), n.t.to(d.device))
-                                                                 for n in part_noise], denominators)
+                                                                 for n in part_noise], denominators,
+                                None if tails is None else tails[idx].to(d.device))
         if train:
             (loss * d.world).backward()  # DDP averages over ranks; the denominators are global
         for k, v in sums.items():
@@ -452,6 +459,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     if cfg.sft and data.chat is not None and not data.chat[1].any():   # (every step's loss would be empty)
         raise ValueError(f"{data.paths['chat']} marks no assistant tokens: --sft would score nothing")
     block = model.config.block_size
+    eos_ids = frozenset(tokenizer.eos_token_ids)
     twins = torch.tensor(tokenizer.space_twins() if cfg.twin_coupling else [], dtype=torch.long,
                          device=d.device).view(-1, 2)
     if cfg.twin_coupling and not len(twins):
@@ -469,7 +477,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = data.batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)
-        sums = _reduce(_run_batch(module, batch, cfg, step, d, block, True, autocast), d)
+        sums = _reduce(_run_batch(module, batch, cfg, step, d, block, True, autocast, eos_ids), d)
         couple_twins(model, twins, cfg.twin_coupling)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
         optimizer.step()
@@ -490,7 +498,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
                 ev: dict[str, float] = {}
                 for i in range(cfg.eval_batches):
                     vb = val.batch(cfg.seed + 1_000_000, i, cfg.batch_size, cfg.seq_len)
-                    for k, v in _run_batch(module, vb, cfg, 10**9 + i, d, block, False, autocast).items():
+                    for k, v in _run_batch(module, vb, cfg, 10**9 + i, d, block, False, autocast, eos_ids).items():
                         ev[k] = ev.get(k, 0.0) + v
             model.train()
             rec = {"step": step, "kind": "eval", **_metrics(_reduce(ev, d))}
