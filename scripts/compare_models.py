@@ -8,7 +8,9 @@ the figures of the model that is chosen):
   bpb          `clover eval bpb --split val`: bits per byte on code and English
   match        `clover eval match --split val --thresholds 0.95`: low_confidence's TPF and per-token match
   shown, not judged: turns by task family, and `clover eval copy --split val` (teacher-forced accuracy on
-  the digits an agent conversation copies, and on other tokens seen before in it): where turns are lost
+  the digits an agent conversation copies, and on other tokens seen before in it): where turns are lost;
+  the train pool's turns written by block diffusion (block 32, threshold 0.95): exact, the share written
+  as `ar` writes them, and its tokens per forward
 Each result is written to OUT/<first 16 hex digits of the weights' SHA-256>/<evaluation>.json with what made
 it: the weights, the model's tokenizer and chat template, the package's source, the settings, the
 conversations drawn and the data files read. It is reused only when all of those are the same (the figures
@@ -47,6 +49,7 @@ SOURCE = source_digest()
 
 def measure(model_dir: str | None, data: str, out: Path, conversations: int, prompts: int) -> dict:
     """Every figure the rule reads for one model, from OUT's files where the same inputs made them."""
+    from clover.engine.sampling import SamplingParams
     from clover.model.checkpoint import default_model_dir, load_for_generation
     from clover.training import scores
     from clover.training.agent_data import training_tasks
@@ -80,11 +83,17 @@ def measure(model_dir: str | None, data: str, out: Path, conversations: int, pro
         tasks = hashlib.sha256(json.dumps([[t.messages, t.tools] for t in training_tasks("val", conversations, pool)],
                                           sort_keys=True, default=str).encode()).hexdigest()
         settings = {"count": conversations, "split": "val", "pool": pool, "tool_grammar": True}
-        r = cached(f"turns_{pool}", settings | {"tasks_sha256": tasks},
+        r = cached(f"turns_{pool}", settings | {"tasks_sha256": tasks, "replies": True},   # (results with the texts)
                    lambda m, t, s=settings: scores.turn_accuracy(m, t, **s))
         figures[f"turns_{pool}"] = r["exact"]
         figures[f"turns_{pool}_n"] = r["turns"]
         figures[f"turns_{pool}_by_family"] = {f: v["exact"] for f, v in r["by_family"].items()}
+        if pool == "train":   # shown, not judged: the same turns written by block diffusion, against ar's
+            block = {"algorithm": "low_confidence", "block_size": 32, "threshold": 0.95}
+            b = cached("turns_train_block32", settings | {"tasks_sha256": tasks, "decoder": block},
+                       lambda m, t, s=settings, d=block: scores.turn_accuracy(m, t, **s, decoder=SamplingParams(**d)))
+            figures["block32_turns"], figures["block32_tpf"] = b["exact"], b["tpf"]
+            figures["block32_same_as_ar"] = scores.same_turns(r, b)
     raw = files_digest([Path(data) / "raw" / "val" / f"{kind}.jsonl" for kind in ("code", "english")])
     settings = {"kinds": ["code", "english"], "split": "val", "raw_sha256": raw}
     r = cached("bpb", settings, lambda m, t: [scores.bits_per_byte(m, t, data, k, "val") for k in settings["kinds"]])
@@ -176,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         for family in sorted(by_base.keys() | by_cand.keys()):
             print(f"{f'  {pool} {family}':20}{by_base.get(family, float('nan')):12.4f}"
                   f"{by_cand.get(family, float('nan')):12.4f}")
-    for k in ("copy_numbers", "copy_other", "copy_words_same", "copy_words_respelt", "copy_unseen_names"):
+    for k in ("copy_numbers", "copy_other", "copy_words_same", "copy_words_respelt", "copy_unseen_names",
+              "block32_turns", "block32_same_as_ar", "block32_tpf"):
         shown = [f"{x[k]:12.4f}" if isinstance(x.get(k), float) else f"{'-':>12}" for x in (base, cand)]
         print(f"{'  ' + k:20}{shown[0]}{shown[1]}")
     replace, checks = verdict(cand, base, a)

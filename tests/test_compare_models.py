@@ -43,8 +43,14 @@ def test_figures_are_kept_per_weights_and_measured_again_when_their_inputs_chang
 
     calls: list[str] = []
     monkeypatch.setattr(checkpoint, "load_for_generation", lambda *a: argparse.Namespace(model=None, tokenizer=None))
-    monkeypatch.setattr(scores, "turn_accuracy", lambda m, t, **s: calls.append("turns") or {
-        "exact": 0.25, "turns": 8, "by_family": {"calc": {"exact": 0.5, "turns": 4}}})
+    def turns(m, t, decoder=None, **s):
+        calls.append("turns" if decoder is None else "turns block32")
+        assert decoder is None or (decoder.algorithm, decoder.block_size, decoder.threshold) == ("low_confidence", 32, 0.95)
+        return {"exact": 0.25 if decoder is None else 0.125, "turns": 8, "by_family": {"calc": {"exact": 0.5, "turns": 4}},
+                "conversations": s["count"], "split": "val", "pool": s["pool"], "tpf": 1.0 if decoder is None else 2.5,
+                "replies": ["a"] * 8 if decoder is None else ["a"] * 6 + ["b"] * 2}
+
+    monkeypatch.setattr(scores, "turn_accuracy", turns)
     monkeypatch.setattr(scores, "copy_accuracy", lambda m, t, **s: calls.append("copy") or {"results": {
         "number_copied": {"accuracy": 0.9}, "other_copied": {"accuracy": 0.8}}})
     monkeypatch.setattr(scores, "bits_per_byte", lambda m, t, d, kind, split: calls.append("bpb") or {
@@ -63,8 +69,10 @@ def test_figures_are_kept_per_weights_and_measured_again_when_their_inputs_chang
         (data / "tokens" / f"val_{kind}.bin").write_bytes(bytes(range(10)))
         (data / "raw" / "val" / f"{kind}.jsonl").write_text('{"text": "x"}\n')
     first = compare.measure(str(model), str(data), out, 2, 4)
-    assert sorted(calls) == ["bpb", "bpb", "copy", "match", "turns", "turns"]
+    assert sorted(calls) == ["bpb", "bpb", "copy", "match", "turns", "turns", "turns block32"]
     assert first["turns_train"] == 0.25 and first["lc_tpf"] == 1.1 and first["verify_tpf"] == 1.4
+    assert (first["block32_turns"], first["block32_tpf"], first["block32_same_as_ar"]) \
+        == (0.125, 2.5, 0.75)
     assert first["turns_heldout_by_family"] == {"calc": 0.5} and first["copy_numbers"] == 0.9
 
     def again() -> list[str]:
@@ -82,11 +90,11 @@ def test_figures_are_kept_per_weights_and_measured_again_when_their_inputs_chang
     (data / "raw" / "val" / "english.jsonl").write_text('{"text": "y"}\n')   # bits per byte's documents
     assert again() == ["bpb", "bpb"]
     (model / "tokenizer.json").write_text("{}")                               # the model's tokenizer
-    assert len(again()) == 6
+    assert len(again()) == 7
     assert again() == [] and compare.measure(str(model), str(data), out, 3, 4)["turns_train"] == 0.25
-    assert sorted(calls) == ["copy", "turns", "turns"]                        # other conversations
+    assert sorted(calls) == ["copy", "turns", "turns", "turns block32"]       # other conversations
     (model / "model.safetensors").write_bytes(b"other weights")               # other weights: a folder of their own
-    assert len(again()) == 6 and len(list(out.iterdir())) == 2
+    assert len(again()) == 7 and len(list(out.iterdir())) == 2
 
 
 def test_missing_inputs_are_named_before_anything_is_measured(tmp_path, capsys):
