@@ -338,9 +338,15 @@ def test_eval_turns_same_as_must_be_of_the_same_conversations(tmp_path, capsys, 
     monkeypatch.setattr(checkpoint, "load_for_generation", lambda *a: pytest.fail("the model was loaded"))
     earlier = tmp_path / "ar.json"
     earlier.write_text(json.dumps({"evaluation": "turn_accuracy", "conversations": 60, "split": "val",
-                                   "pool": "train", "replies": []}))
+                                   "pool": "train", "tool_grammar": False, "turns": 0, "replies": []}))
     assert cli_main(["eval", "turns", "--count", "30", "--same-as", str(earlier)]) == 2
     assert "is of other conversations" in capsys.readouterr().err
+    assert cli_main(["eval", "turns", "--tool-grammar", "--same-as", str(earlier)]) == 2   # other calls' rules
+    assert "is of other conversations" in capsys.readouterr().err
+    earlier.write_text(json.dumps({"evaluation": "turn_accuracy", "turns": 3, "replies": []}))
+    with pytest.raises(SystemExit):
+        cli_main(["eval", "turns", "--same-as", str(earlier)])
+    assert "is not a `clover eval turns --out` result" in capsys.readouterr().err
     earlier.write_text(json.dumps({"evaluation": "bits_per_byte"}))
     with pytest.raises(SystemExit):
         cli_main(["eval", "turns", "--same-as", str(earlier)])

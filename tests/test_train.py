@@ -18,7 +18,7 @@ import torch
 from clover.cli.commands import main as cli_main
 from clover.model.config import CloverConfig
 from clover.model.modeling import CloverForCausalLM
-from clover.model.tokenizer import Tokenizer, TokenizerError, stdlib_sources
+from clover.model.tokenizer import IM_END, Tokenizer, TokenizerError, stdlib_sources
 from clover.training import objectives, recall_data, synthetic
 from clover.training.data import SPLITS, TokenData, chat_example, encode_corpus, require_data, split_of
 from clover.training.objectives import ObjectiveConfig, compute_loss, linear_cross_entropy, sample_noise
@@ -197,18 +197,21 @@ def test_certainty_forcing_adds_the_entropy_of_right_guesses_and_training_lowers
 def test_eos_tails_fill_a_block_after_a_reply_ends_unless_another_reply_starts_in_it():
     """Block 8, end-of-turn token E = 2: after a reply's eligible E, the rest of its block (its own new line
     included) gets E; a block where the next reply starts, an E in the block's last slot, an E that is not
-    eligible (a packing separator) and positions past the row's length get nothing."""
+    eligible and positions past the row's length get nothing; nor does the end-of-text token 0 between the
+    documents of a row eligible throughout (SFT's code and English rows)."""
     from clover.training.objectives import eos_tails
 
     E, NL = 2, 9
     ids = torch.tensor([[5, 5, 5, 7, 7, E, NL, 5, 5, 5, 5, 5, 5, 5, 7, E],     # a reply ending at 5, another at 15
-                        [5, 5, 7, E, NL, 5, 7, 7, 0, 5, 5, 5, 5, 5, 5, 5],      # the next reply starts at 6, same block
-                        [5, 7, E, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]])      # length 5: the tail stops there
+                        [5, 5, 7, E, NL, 5, 7, 7, E, 5, 5, 5, 5, 5, 5, 5],      # the next reply starts at 6, same block;
+                        [5, 7, E, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5],       # an E at 8 not eligible; length 5
+                        [5, 5, 5, 0, 5, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5, 5]])      # documents, eligible throughout
     eligible = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1],
                              [0, 0, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
-                             [0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
-    lengths = torch.tensor([16, 16, 5])
-    got = eos_tails(ids, eligible, lengths, 8, frozenset({0, E}))
+                             [0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                             [1] * 16], dtype=torch.bool)
+    lengths = torch.tensor([16, 16, 5, 16])
+    got = eos_tails(ids, eligible, lengths, 8, E)
     want = torch.full_like(ids, -1)
     want[0, 6:8] = E
     want[2, 3:5] = E
@@ -216,7 +219,7 @@ def test_eos_tails_fill_a_block_after_a_reply_ends_unless_another_reply_starts_i
     want = torch.full_like(ids, -1)   # blocks of 4: row 1's E at 3 is its block's last slot
     want[0, 6:8] = E
     want[2, 3] = E
-    assert torch.equal(eos_tails(ids, eligible, lengths, 4, frozenset({E})), want)
+    assert torch.equal(eos_tails(ids, eligible, lengths, 4, E), want)
 
 
 def test_eos_fill_trains_the_noisy_stream_on_the_tail_and_leaves_the_rest(data_dir):
@@ -229,7 +232,7 @@ def test_eos_fill_trains_the_noisy_stream_on_the_tail_and_leaves_the_rest(data_d
     tok = Tokenizer.load(data_dir / "tokenizer")
     valid = torch.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]
     eligible = batch.loss_mask & valid
-    tails = eos_tails(batch.ids, eligible, batch.lengths, 8, frozenset(tok.eos_token_ids))
+    tails = eos_tails(batch.ids, eligible, batch.lengths, 8, tok.special_ids[IM_END])
     assert (tails >= 0).sum() > 4 and (eligible & (tails >= 0)).any()   # (the reply's own new line after its end)
     noised = eligible | (tails >= 0)
     cfg = ObjectiveConfig("diffusion", ar_loss_weight=0.5, eos_fill=True)

@@ -71,7 +71,8 @@ def turns_result(text: str) -> tuple[str, dict]:
         value = json.loads(Path(text).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise argparse.ArgumentTypeError(f"cannot read {text} as JSON ({exc})") from None
-    if not isinstance(value, dict) or value.get("evaluation") != "turn_accuracy" or not isinstance(value.get("replies"), list):
+    if not isinstance(value, dict) or value.get("evaluation") != "turn_accuracy" or not isinstance(value.get("replies"), list) \
+            or value.get("turns") != len(value["replies"]):
         raise argparse.ArgumentTypeError(f"{text} is not a `clover eval turns --out` result with its replies")
     return text, value
 
@@ -84,7 +85,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.eval_command in ("bpb", "match"):
         require_data(args.data)
     if args.eval_command == "turns" and args.same_as:   # before minutes of decoding: the same conversations?
-        asked = {"conversations": args.count, "split": args.split, "pool": args.pool}
+        asked = {"conversations": args.count, "split": args.split, "pool": args.pool, "tool_grammar": args.tool_grammar}
         found = {k: args.same_as[1].get(k) for k in asked}
         if found != asked:
             print(f"clover eval turns: error: --same-as {args.same_as[0]} is of other conversations ({found}; "
@@ -100,13 +101,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = {"evaluation": "copy_accuracy", **scores.copy_accuracy(model, tok, args.count, args.split),
                   "repeats": scores.repeat_accuracy(model, tok)}
     elif args.eval_command == "turns":
-        decoder = SamplingParams(algorithm=args.algorithm, block_size=args.block_size, threshold=args.threshold)
+        decoder = SamplingParams(algorithm=args.algorithm, block_size=args.block_size,
+                                 **({} if args.threshold is None else {"threshold": args.threshold}))
         result = {"evaluation": "turn_accuracy",
                   **scores.turn_accuracy(model, tok, args.count, args.split, pool=args.pool,
                                          tool_grammar=args.tool_grammar, decoder=decoder)}
-        if args.same_as:
+        if args.same_as:   # (a mismatch found only now, e.g. another generator's turns, keeps the result)
             path, earlier = args.same_as
-            result["same_as"] = {"file": path, "share": scores.same_turns(result, earlier)}
+            try:
+                result["same_as"] = {"file": path, "share": scores.same_turns(result, earlier)}
+            except ValueError as exc:
+                result["same_as"] = {"file": path, "share": None, "error": str(exc)}
+                print(f"clover eval turns: warning: --same-as {path}: {exc}", file=sys.stderr)
     elif args.eval_command == "match":
         result = {"evaluation": "continuation_match", **scores.continuation_match(
             model, tok, args.data, args.prompts, args.new_tokens, args.thresholds,
@@ -310,8 +316,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
             e.add_argument("--algorithm", default="ar", choices=list(ALGORITHMS),
                            help="the decoder that writes the turns (default ar)")
             e.add_argument("--block-size", type=positive_int, help="(block decoders; default: the model's)")
-            e.add_argument("--threshold", type=threshold, default=0.95,
-                           help="confidence threshold of low_confidence (default 0.95)")
+            e.add_argument("--threshold", type=threshold,
+                           help="confidence threshold of low_confidence (default: the model's generation config)")
             e.add_argument("--same-as", type=turns_result, metavar="JSON",
                            help="an earlier `clover eval turns --out` of the same conversations (another decoder or "
                                 "model): also report the share of turns written alike")

@@ -89,9 +89,11 @@ def sample_noise(eligible: torch.Tensor, block_size: int, cfg: ObjectiveConfig, 
 
 
 def eos_tails(ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor, block_size: int,
-              eos_ids: set[int] | frozenset[int]) -> torch.Tensor:
-    """[N,T] long, -1 but at the positions after each reply's end: there the token that ended it (an eligible
-    end-of-sequence token), from the position after it to its block's end. At inference the decoder fills
+              end_id: int) -> torch.Tensor:
+    """[N,T] long, -1 but at the positions after each reply's end: there `end_id` (the end-of-turn token,
+    `<|im_end|>`, where it is eligible), from the position after it to its block's end. Only that token: in
+    SFT, code and English rows are eligible throughout, and the `<|endoftext|>` between their documents is no
+    reply's end (the next document must stay as it is). At inference the decoder fills
     the rest of a block with the token that ended the reply; in SFT rows those positions hold the next turn's
     prompt, never masked (not eligible), so the noisy stream never learns to end a block there. The reply's
     own tokens after its end token (the template's new line) are part of the tail. A block in which another
@@ -100,7 +102,7 @@ def eos_tails(ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor, 
     for r in range(ids.shape[0]):
         n = int(lengths[r])
         row, ok = ids[r, :n].tolist(), eligible[r, :n].tolist()
-        for e in (i for i in range(n) if ok[i] and row[i] in eos_ids):
+        for e in (i for i in range(n) if ok[i] and row[i] == end_id):
             stop = min((e // block_size + 1) * block_size, n)
             j = e + 1
             while j < stop and ok[j]:   # the rest of this reply

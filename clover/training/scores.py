@@ -449,7 +449,8 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     return {"conversations": count, "split": split, "pool": pool, "tool_grammar": tool_grammar, "turns": len(right), "exact": sum(right) / max(len(right), 1),
             "by_family": {f: {"exact": sum(v) / len(v), "turns": len(v)} for f, v in sorted(by_family.items())},
             "tool_calls": calls, "unknown_tool": unknown / max(calls, 1), "wall_s": time.perf_counter() - t0,
-            "decoder": {"algorithm": plain.algorithm, "block_size": plain.block_size, "threshold": plain.threshold},
+            "decoder": {"algorithm": plain.algorithm, "threshold": plain.threshold,   # (the block size that ran)
+                        "block_size": None if plain.algorithm == "ar" else plain.block_size or model.config.block_size},
             "tpf": sum(o.stats.generated_tokens for o in outs) / max(sum(o.stats.nfe for o in outs), 1),
             "replies": replies}
 

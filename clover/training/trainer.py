@@ -30,7 +30,7 @@ from clover.model.checkpoint import CheckpointError, load_checkpoint, save_check
 from clover.model.config import CloverConfig
 from clover.model.files import json_lines, read_json, recover_directory, write_text_atomic
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
-from clover.model.tokenizer import EOS_TOKEN, Tokenizer
+from clover.model.tokenizer import EOS_TOKEN, IM_END, Tokenizer
 from clover.training.data import Batch, TokenData, check_kinds, require_data
 from clover.training.objectives import ObjectiveConfig, compute_loss, eos_tails, sample_noise
 
@@ -306,12 +306,12 @@ def _metrics(sums: dict[str, float]) -> dict[str, float]:
 
 
 def _run_batch(module: nn.Module, batch: Batch, cfg: TrainConfig, step: int, d: _Dist, block_size: int,
-               train: bool, autocast: torch.autocast | None, eos_ids: frozenset[int] = frozenset()) -> dict[str, float]:
-    """Forward (and backward when training) over this rank's share of a global batch. `eos_ids`: the tokens
-    that end a reply (for `eos_fill`)."""
+               train: bool, autocast: torch.autocast | None, end_id: int = -1) -> dict[str, float]:
+    """Forward (and backward when training) over this rank's share of a global batch. `end_id`: the token
+    that ends a reply (`<|im_end|>`, for `eos_fill`)."""
     obj = cfg.objective_config()
     eligible = _eligible(batch, cfg.sft)
-    tails = eos_tails(batch.ids, eligible, batch.lengths, block_size, eos_ids) if obj.eos_fill else None
+    tails = eos_tails(batch.ids, eligible, batch.lengths, block_size, end_id) if obj.eos_fill else None
     noised = eligible if tails is None else eligible | (tails >= 0)
     gen = torch.Generator().manual_seed((cfg.seed * 7_000_003 + step * 2 + (0 if train else 1)) % 2**62)
     noises = sample_noise(noised, block_size, obj, gen) if obj.kind == "diffusion" else None
@@ -459,7 +459,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     if cfg.sft and data.chat is not None and not data.chat[1].any():   # (every step's loss would be empty)
         raise ValueError(f"{data.paths['chat']} marks no assistant tokens: --sft would score nothing")
     block = model.config.block_size
-    eos_ids = frozenset(tokenizer.eos_token_ids)
+    end_id = tokenizer.special_ids[IM_END]   # (eos_fill: the end of a chat reply)
     twins = torch.tensor(tokenizer.space_twins() if cfg.twin_coupling else [], dtype=torch.long,
                          device=d.device).view(-1, 2)
     if cfg.twin_coupling and not len(twins):
@@ -477,7 +477,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = data.batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)
-        sums = _reduce(_run_batch(module, batch, cfg, step, d, block, True, autocast, eos_ids), d)
+        sums = _reduce(_run_batch(module, batch, cfg, step, d, block, True, autocast, end_id), d)
         couple_twins(model, twins, cfg.twin_coupling)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
         optimizer.step()
@@ -498,7 +498,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
                 ev: dict[str, float] = {}
                 for i in range(cfg.eval_batches):
                     vb = val.batch(cfg.seed + 1_000_000, i, cfg.batch_size, cfg.seq_len)
-                    for k, v in _run_batch(module, vb, cfg, 10**9 + i, d, block, False, autocast, eos_ids).items():
+                    for k, v in _run_batch(module, vb, cfg, 10**9 + i, d, block, False, autocast, end_id).items():
                         ev[k] = ev.get(k, 0.0) + v
             model.train()
             rec = {"step": step, "kind": "eval", **_metrics(_reduce(ev, d))}
