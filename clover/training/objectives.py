@@ -93,9 +93,9 @@ def eos_tails(ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor, 
     """[N,T] long, -1 but at the positions after each reply's end: there `end_id` (the end-of-turn token,
     `<|im_end|>`, where it is eligible), from the position after it to its block's end. Only that token: in
     SFT, code and English rows are eligible throughout, and the `<|endoftext|>` between their documents is no
-    reply's end (the next document must stay as it is). At inference the decoder fills
-    the rest of a block with the token that ended the reply; in SFT rows those positions hold the next turn's
-    prompt, never masked (not eligible), so the noisy stream never learns to end a block there. The reply's
+    reply's end (the next document must stay as it is). At inference the decoder fills the rest of a block
+    with the token that ended the reply; in SFT rows those positions hold the next turn's prompt, never
+    masked (not eligible), so the noisy stream never learns to end a block there. The reply's
     own tokens after its end token (the template's new line) are part of the tail. A block in which another
     reply starts after the end is left as it is: that reply's prompt tokens must stay what they are."""
     out = torch.full_like(ids, -1)

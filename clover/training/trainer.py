@@ -459,7 +459,7 @@ def _train(cfg: TrainConfig, resume: bool, d: _Dist) -> dict:
     if cfg.sft and data.chat is not None and not data.chat[1].any():   # (every step's loss would be empty)
         raise ValueError(f"{data.paths['chat']} marks no assistant tokens: --sft would score nothing")
     block = model.config.block_size
-    end_id = tokenizer.special_ids[IM_END]   # (eos_fill: the end of a chat reply)
+    end_id = tokenizer.special_ids[IM_END] if cfg.eos_fill else -1   # (the end of a chat reply)
     twins = torch.tensor(tokenizer.space_twins() if cfg.twin_coupling else [], dtype=torch.long,
                          device=d.device).view(-1, 2)
     if cfg.twin_coupling and not len(twins):
