@@ -85,7 +85,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.eval_command in ("bpb", "match"):
         require_data(args.data)
     if args.eval_command == "turns" and args.same_as:   # before minutes of decoding: the same conversations?
-        asked = {"conversations": args.count, "split": args.split, "pool": args.pool, "tool_grammar": args.tool_grammar}
+        asked = dict(zip(scores.TURNS_DRAWN, (args.count, args.split, args.pool, args.tool_grammar), strict=True))
         found = {k: args.same_as[1].get(k) for k in asked}
         if found != asked:
             print(f"clover eval turns: error: --same-as {args.same_as[0]} is of other conversations ({found}; "

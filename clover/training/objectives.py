@@ -112,6 +112,11 @@ def eos_tails(ids: torch.Tensor, eligible: torch.Tensor, lengths: torch.Tensor, 
     return out
 
 
+def noised_positions(eligible: torch.Tensor, tails: torch.Tensor | None) -> torch.Tensor:
+    """[N,T] bool: the positions the noisy stream may mask and learns, the eligible ones and the `eos_tails`."""
+    return eligible if tails is None else eligible | (tails >= 0)
+
+
 LCE_CHUNK_ELEMENTS = 1 << 21   # logits per chunk of `linear_cross_entropy` (8 MiB in float32)
 
 
@@ -212,7 +217,7 @@ def compute_loss(
     masked = torch.cat([nz.masked for nz in noises])
     t = torch.cat([nz.t for nz in noises])
     targets = x0.repeat(copies, 1)[masked]
-    noised = eligible if tails is None else eligible | (tails >= 0)
+    noised = noised_positions(eligible, tails)
     weight = 1.0 / t[masked] if cfg.loss_weighting == "elbo" else None
     if cfg.certainty_weight > 0:   # the certainty term reads the logits themselves
         logits = model.lm_head(out.noisy[masked]).float()                                      # [M,V]

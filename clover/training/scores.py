@@ -439,7 +439,7 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
     for out, ref, family, (thinking, tools) in zip(outs, refs, families, contexts, strict=True):
         text = out.text.split(IM_END)[0]
         replies.append(text.strip())
-        by_family.setdefault(family, []).append(text.strip() == ref)
+        by_family.setdefault(family, []).append(replies[-1] == ref)
         # the calls written, and those naming a tool the conversation does not offer (any, where it offers none)
         parsed = parse_output(text, thinking, tools or None)
         offered = {t["function"]["name"] for t in tools or []}
@@ -455,8 +455,11 @@ def turn_accuracy(model: CloverForCausalLM, tok: Tokenizer, count: int = 60, spl
             "replies": replies}
 
 
+TURNS_DRAWN = ("conversations", "split", "pool", "tool_grammar")   # what makes two turn_accuracy runs comparable
+
+
 def same_turns(a: dict, b: dict) -> float:
     """The share of turns two `turn_accuracy` results (the same conversations, two decoders) wrote alike."""
-    if (a["conversations"], a["split"], a["pool"], a["turns"]) != (b["conversations"], b["split"], b["pool"], b["turns"]):
+    if any(a.get(k) != b.get(k) for k in (*TURNS_DRAWN, "turns")):
         raise ValueError("the two results are not of the same conversations")
     return sum(x == y for x, y in zip(a["replies"], b["replies"], strict=True)) / max(a["turns"], 1)

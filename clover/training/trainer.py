@@ -32,7 +32,7 @@ from clover.model.files import json_lines, read_json, recover_directory, write_t
 from clover.model.modeling import CloverForCausalLM, check_gdn_init
 from clover.model.tokenizer import EOS_TOKEN, IM_END, Tokenizer
 from clover.training.data import Batch, TokenData, check_kinds, require_data
-from clover.training.objectives import ObjectiveConfig, compute_loss, eos_tails, sample_noise
+from clover.training.objectives import ObjectiveConfig, compute_loss, eos_tails, noised_positions, sample_noise
 
 INIT_ONLY = ("gdn_gate_z", "gdn_dt_max")   # TrainConfig fields read only when random weights are made
 
@@ -312,7 +312,7 @@ def _run_batch(module: nn.Module, batch: Batch, cfg: TrainConfig, step: int, d: 
     obj = cfg.objective_config()
     eligible = _eligible(batch, cfg.sft)
     tails = eos_tails(batch.ids, eligible, batch.lengths, block_size, end_id) if obj.eos_fill else None
-    noised = eligible if tails is None else eligible | (tails >= 0)
+    noised = noised_positions(eligible, tails)
     gen = torch.Generator().manual_seed((cfg.seed * 7_000_003 + step * 2 + (0 if train else 1)) % 2**62)
     noises = sample_noise(noised, block_size, obj, gen) if obj.kind == "diffusion" else None
     denominators = {"tokens": float(noised.sum()), "ar_targets": float(eligible[:, 1:].sum()),
